@@ -1,0 +1,59 @@
+"""Trains one algorithm on one task; resumes from the run's checkpoints.
+
+  python -m binaries.train --task=celeba_smile --algorithm=fedavg \
+      --experiment_name=demo --use_synthetic_data --total_rounds=3
+"""
+
+from absl import flags
+from absl import logging
+
+from binaries import app
+from binaries import flags_lib
+from pipeline import driver
+from pipeline import tff_runtime
+from pipeline.errors import UsageError
+from tasks import registry as task_registry
+from tff_algos import registry as algorithm_registry
+
+FLAGS = flags.FLAGS
+
+
+def run_config() -> driver.RunConfig:
+  return driver.RunConfig(
+      root_output_dir=FLAGS.root_output_dir,
+      experiment_name=FLAGS.experiment_name,
+      total_rounds=FLAGS.total_rounds,
+      clients_per_round=FLAGS.clients_per_round,
+      rounds_per_eval=FLAGS.rounds_per_eval,
+      rounds_per_checkpoint=FLAGS.rounds_per_checkpoint,
+      seed=FLAGS.seed,
+      client_state_store=FLAGS.client_state_store)
+
+
+def main(argv):
+  del argv
+  app.require_flags('task', 'algorithm', 'experiment_name')
+  if FLAGS.algorithm not in algorithm_registry.NAMES:
+    raise UsageError(f'--algorithm={FLAGS.algorithm!r} is unknown; allowed: '
+                     f'{", ".join(algorithm_registry.NAMES)}')
+  if FLAGS.task not in task_registry.NAMES:
+    raise UsageError(f'--task={FLAGS.task!r} is unknown; allowed: '
+                     f'{", ".join(task_registry.NAMES)}')
+  tff_runtime.configure_execution(FLAGS.max_concurrent_computation_calls)
+  task = task_registry.build_task(FLAGS.task, flags_lib.data_config())
+  config = run_config()
+  config.validate(task.num_train_clients)
+  algorithm = algorithm_registry.build_algorithm(
+      FLAGS.algorithm, task.model_fn,
+      flags_lib.algorithm_config(task.num_train_clients))
+  app.check_flags_apply(FLAGS.algorithm, algorithm.flag_names,
+                        flags_lib.ALGORITHM_FLAGS)
+  result = driver.train(algorithm, task, config, flags_lib.all_values())
+  summary = ', '.join(f'{k}={v:.4f}' for k, v in sorted(
+      result.last_metrics.items()) if k.startswith(('train/loss', 'eval')))
+  logging.info('finished round %d: %s', result.round_num, summary)
+  print(f'{config.run_dir}: round {result.round_num} {summary}')
+
+
+if __name__ == '__main__':
+  app.run(main)

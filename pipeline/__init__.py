@@ -1,0 +1,1 @@
+"""Run machinery shared by every algorithm: driver, client-state store, outputs."""

@@ -1,0 +1,147 @@
+"""Persistent per-client state (SCAFFOLD/FedPVR c_i, FedRes theta_i) keyed by id.
+
+One SQLite table holds versioned rows `(client_id, round_num, blob)`: a round's
+writes are one transaction, a read takes the newest version, and a resumed run
+rolls the table back to its checkpoint round. The `sqlite` backend keeps the
+table in a file beside the run (memory independent of the population: rows
+are read only for sampled clients); the `memory` backend keeps it in an
+in-memory database and ships its bytes inside the checkpoint. Clients never
+sampled have no row: their state is created lazily by the initializer.
+"""
+
+import io
+import os
+import sqlite3
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+import tree
+
+from pipeline.errors import UsageError
+
+BACKENDS = ('memory', 'sqlite')
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS client_states (
+  client_id TEXT NOT NULL,
+  round_num INTEGER NOT NULL,
+  state BLOB NOT NULL,
+  PRIMARY KEY (client_id, round_num)
+);
+"""
+
+
+def serialize_state(state: Any) -> bytes:
+  """Flattens a nested structure of arrays into one self-describing blob."""
+  buffer = io.BytesIO()
+  for leaf in tree.flatten(state):
+    np.save(buffer, np.asarray(leaf), allow_pickle=False)
+  return buffer.getvalue()
+
+
+def deserialize_state(blob: bytes, structure: Any) -> Any:
+  buffer = io.BytesIO(blob)
+  leaves = [np.load(buffer, allow_pickle=False)
+            for _ in range(len(tree.flatten(structure)))]
+  if buffer.tell() != len(blob):
+    raise ValueError('client state blob does not match the state structure')
+  return tree.unflatten_as(structure, leaves)
+
+
+class ClientStateStore:
+  """Client states keyed by id, versioned by round, lazily initialized."""
+
+  def __init__(self,
+               initial_state_fn: Callable[[], Any],
+               backend: str = 'memory',
+               path: Optional[str] = None):
+    if backend not in BACKENDS:
+      raise UsageError(
+          f'--client_state_store={backend!r} is unknown; allowed: '
+          f'{", ".join(BACKENDS)}')
+    if backend == 'sqlite' and not path:
+      raise ValueError('the sqlite backend needs a file path')
+    self._backend = backend
+    self._path = path
+    self._initial_state = initial_state_fn()
+    self._connection = sqlite3.connect(
+        path if backend == 'sqlite' else ':memory:', isolation_level=None)
+    self._connection.execute('PRAGMA journal_mode=' + (
+        'WAL' if backend == 'sqlite' else 'MEMORY'))
+    self._connection.execute(_SCHEMA)
+
+  @property
+  def backend(self) -> str:
+    return self._backend
+
+  @property
+  def initial_state(self) -> Any:
+    return self._initial_state
+
+  def read(self, client_ids: Sequence[str]) -> list[Any]:
+    """Newest state of each client; the initial state for unseen clients."""
+    states = []
+    for client_id in client_ids:
+      row = self._connection.execute(
+          'SELECT state FROM client_states WHERE client_id = ? '
+          'ORDER BY round_num DESC LIMIT 1', (client_id,)).fetchone()
+      states.append(self._initial_state if row is None else
+                    deserialize_state(row[0], self._initial_state))
+    return states
+
+  def write(self, round_num: int, client_ids: Iterable[str],
+            states: Iterable[Any]) -> None:
+    """Stores one round's new states atomically (all or nothing)."""
+    connection = self._connection
+    connection.execute('BEGIN IMMEDIATE')
+    try:
+      for client_id, state in zip(client_ids, states, strict=True):
+        connection.execute(
+            'INSERT OR REPLACE INTO client_states VALUES (?, ?, ?)',
+            (client_id, round_num, serialize_state(state)))
+    except BaseException:
+      connection.execute('ROLLBACK')
+      raise
+    connection.execute('COMMIT')
+
+  def num_clients(self) -> int:
+    return self._connection.execute(
+        'SELECT COUNT(DISTINCT client_id) FROM client_states').fetchone()[0]
+
+  def checkpoint(self, round_num: int) -> bytes:
+    """Marks `round_num` as checkpointed; returns what the checkpoint keeps.
+
+    Versions older than each client's newest one at `round_num` are no longer
+    reachable by a rollback and are dropped. The memory backend returns the
+    whole database (it lives nowhere else); the sqlite backend returns b''.
+    """
+    connection = self._connection
+    connection.execute('BEGIN IMMEDIATE')
+    connection.execute(
+        'DELETE FROM client_states WHERE round_num < ('
+        ' SELECT MAX(newer.round_num) FROM client_states AS newer'
+        ' WHERE newer.client_id = client_states.client_id'
+        ' AND newer.round_num <= ?)', (round_num,))
+    connection.execute('COMMIT')
+    if self._backend == 'memory':
+      return connection.serialize()
+    return b''
+
+  def restore(self, round_num: int, checkpoint_bytes: bytes) -> None:
+    """Returns the store to its state at checkpoint `round_num`."""
+    if self._backend == 'memory':
+      if checkpoint_bytes:
+        self._connection.deserialize(checkpoint_bytes)
+      else:
+        self._connection.execute('DELETE FROM client_states')
+    self._connection.execute(
+        'DELETE FROM client_states WHERE round_num > ?', (round_num,))
+
+  def close(self) -> None:
+    self._connection.close()
+
+
+def open_store(initial_state_fn: Callable[[], Any], backend: str,
+               run_dir: str) -> ClientStateStore:
+  path = os.path.join(run_dir, 'client_states.sqlite')
+  return ClientStateStore(initial_state_fn, backend, path)

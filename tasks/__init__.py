@@ -1,0 +1,1 @@
+"""Datasets, preprocessing, models and metrics per task."""

@@ -1,0 +1,132 @@
+"""What a task gives the driver and the algorithms.
+
+A task owns its data (train clients by id, optional central data, evaluation
+sets), its Keras model, loss and metrics, and its serving signature. Client and
+server datasets are TFF computations so they are built inside the TFF runtime
+(clients by id, SPEC 4.4); their shuffle seeds come from the driver so a
+resumed run sees exactly the batches of an uninterrupted one.
+"""
+
+import collections
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from pipeline.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Batching of client and central data (flags of SPEC 7)."""
+  client_batch_size: int = 5
+  # K local steps; None means `client_epochs` passes over the client's data.
+  client_steps: Optional[int] = None
+  client_epochs: int = 1
+  central_batch_size: int = 500
+  central_steps: int = 1
+  eval_batch_size: int = 256
+  # Shuffle buffer for a client's examples (clients are small).
+  shuffle_buffer: int = 1000
+  seed: int = 0
+  use_synthetic_data: bool = False
+  cache_dir: Optional[str] = None
+  data_dir: Optional[str] = None
+  download: bool = False
+  # Task-specific options (e.g. celeba_mode).
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def validate(self) -> None:
+    if self.client_batch_size < 1:
+      raise UsageError('--client_batch_size must be >= 1, got '
+                       f'{self.client_batch_size}')
+    if self.client_steps is not None and self.client_steps < 1:
+      raise UsageError(f'--client_steps must be >= 1, got {self.client_steps}')
+    if self.client_epochs < 1:
+      raise UsageError(
+          f'--client_epochs must be >= 1, got {self.client_epochs}')
+    if self.central_batch_size < 1:
+      raise UsageError('--central_batch_size must be >= 1, got '
+                       f'{self.central_batch_size}')
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingSpec:
+  """The exported model's `serving_default`: raw input -> predictions."""
+  input_name: str
+  input_spec: tf.TensorSpec
+  # Raw serving input -> model input.
+  preprocess: Callable[[tf.Tensor], tf.Tensor]
+  # Model output -> dict of named predictions.
+  postprocess: Callable[[tf.Tensor], Mapping[str, tf.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """Everything the driver needs about one learning problem."""
+  name: str
+  train_client_ids: tuple[str, ...]
+  # <id: str, seed: int64> -> batched training data of one client.
+  client_dataset_computation: tff.Computation
+  keras_model_fn: Callable[[], tf.keras.Model]
+  loss_fn: Callable[[], tf.keras.losses.Loss]
+  metrics_fn: Callable[[], list[tf.keras.metrics.Metric]]
+  # Element spec of a training batch: (model input, label).
+  batch_spec: Any
+  # Named evaluation sets; '' is reported as eval/<metric>, others as
+  # eval_<name>/<metric>.
+  eval_datasets_fn: Callable[[], Mapping[str, tf.data.Dataset]]
+  serving: ServingSpec
+  # int64 seed -> central batches (mixed FL); None if the task has none.
+  server_dataset_computation: Optional[tff.Computation] = None
+
+  @property
+  def num_train_clients(self) -> int:
+    return len(self.train_client_ids)
+
+  def model_fn(self) -> tff.learning.models.VariableModel:
+    return tff.learning.models.from_keras_model(
+        self.keras_model_fn(), loss=self.loss_fn(),
+        input_spec=self.batch_spec, metrics=self.metrics_fn())
+
+
+def client_batches(examples: tf.data.Dataset, config: DataConfig,
+                   seed: tf.Tensor) -> tf.data.Dataset:
+  """A client's local training stream: shuffled, then K batches or E epochs.
+
+  With `client_steps` the shuffled data repeats, so every client takes exactly
+  K steps (unless it has no data); with `client_epochs` a client takes
+  E * ceil(n_i / B) steps, so K_i varies with the client's size.
+  """
+  examples = examples.shuffle(config.shuffle_buffer, seed=seed,
+                              reshuffle_each_iteration=True)
+  if config.client_steps is not None:
+    return examples.repeat().batch(config.client_batch_size).take(
+        config.client_steps)
+  return examples.repeat(config.client_epochs).batch(config.client_batch_size)
+
+
+CLIENT_DATASET_ARGS = tff.StructType([('id', np.str_), ('seed', np.int64)])
+
+
+def client_dataset_computation(
+    dataset_fn: Callable[[tf.Tensor, tf.Tensor], tf.data.Dataset]
+) -> tff.Computation:
+  """`(client_id, seed) -> dataset` as the TFF computation `compose_by_id` maps."""
+
+  def by_id(id, seed):  # pylint: disable=redefined-builtin
+    return dataset_fn(id, seed)
+
+  return tff.tensorflow.computation(by_id, CLIENT_DATASET_ARGS)
+
+
+def server_dataset_computation(
+    dataset_fn: Callable[[tf.Tensor], tf.data.Dataset]) -> tff.Computation:
+  """`seed -> dataset` of one round's central batches, as a TFF computation."""
+  return tff.tensorflow.computation(dataset_fn, np.int64)
+
+
+def ordered(**kwargs) -> collections.OrderedDict:
+  return collections.OrderedDict(**kwargs)

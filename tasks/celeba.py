@@ -1,0 +1,188 @@
+"""celeba_smile: smile classification on TFF's federated CelebA (SPEC 6.1).
+
+Modes (`--celeba_mode`):
+  mixed (default): Mixed FL split of papers/002 Sec. 5.1. Federated data are
+    the smiling images of the train clients, three raw clients grouped into one
+    composite client; central (server) data are the non-smiling images of the
+    same train clients; evaluation on every image of the test clients.
+  federated: plain FL, raw train clients with both labels.
+"""
+
+import collections
+import os
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from pipeline.errors import UsageError
+from tasks import base
+
+IMAGE_SHAPE = (84, 84, 3)
+LABEL = 'smiling'
+MODES = ('mixed', 'federated')
+COMPOSITE_SIZE = 3
+COMPOSITE_SEPARATOR = '|'
+SQLITE_NAME = 'celeba.sqlite'
+
+# Synthetic stand-in: same element structure as the real loader.
+SYNTHETIC_TRAIN_CLIENTS = 60
+SYNTHETIC_TEST_CLIENTS = 12
+
+
+def _synthetic_client_examples(client_id: tf.Tensor) -> tf.data.Dataset:
+  """Deterministic fake CelebA examples for one client id.
+
+  Images are noise; smiling faces get a brighter band where the mouth is, so
+  the label is learnable. Every attribute is an independent coin flip.
+  """
+  key = tf.strings.to_hash_bucket_fast(client_id, 2**31 - 1)
+  seed = tf.stack([key, tf.constant(7, tf.int64)])
+  num_examples = tf.random.stateless_uniform(
+      [], seed, minval=4, maxval=17, dtype=tf.int64)
+  attributes = tf.random.stateless_uniform(
+      [num_examples, len(tff.simulation.datasets.celeba.ATTRIBUTE_NAMES)],
+      seed + 1) < 0.5
+  images = tf.random.stateless_uniform(
+      tf.concat([[num_examples], tf.constant(IMAGE_SHAPE, tf.int64)], 0), seed + 2, minval=0,
+      maxval=200, dtype=tf.int64)
+  mouth_rows = tf.reshape(
+      tf.cast((tf.range(84) >= 52) & (tf.range(84) < 72), tf.int64),
+      [1, 84, 1, 1])
+  smiling_index = tff.simulation.datasets.celeba.ATTRIBUTE_NAMES.index(LABEL)
+  smiling = tf.cast(attributes[:, smiling_index], tf.int64)
+  images += 55 * mouth_rows * tf.reshape(smiling, [-1, 1, 1, 1])
+  features = [('image', images)] + [
+      (name, attributes[:, i]) for i, name in
+      enumerate(tff.simulation.datasets.celeba.ATTRIBUTE_NAMES)]
+  return tf.data.Dataset.from_tensor_slices(
+      collections.OrderedDict(sorted(features)))
+
+
+def _load_client_data(config: base.DataConfig):
+  """(train, test) ClientData with TFF's CelebA element structure."""
+  if config.use_synthetic_data:
+    make = tff.simulation.datasets.ClientData.from_clients_and_tf_fn
+    train = make([f'synthetic_train_{i:03d}'
+                  for i in range(SYNTHETIC_TRAIN_CLIENTS)],
+                 _synthetic_client_examples)
+    test = make([f'synthetic_test_{i:03d}'
+                 for i in range(SYNTHETIC_TEST_CLIENTS)],
+                _synthetic_client_examples)
+    return train, test
+  cache_dir = config.cache_dir or os.path.join(os.path.expanduser('~'), '.tff')
+  database = os.path.join(cache_dir, SQLITE_NAME)
+  if not config.download:
+    if not os.path.isdir(cache_dir):
+      raise UsageError(f'--cache_dir={cache_dir} does not exist; it must hold '
+                       f'{SQLITE_NAME} (TFF CelebA), or pass --download, or '
+                       '--use_synthetic_data')
+    if not os.path.isfile(database):
+      raise UsageError(f'--cache_dir={cache_dir} has no {SQLITE_NAME} (TFF '
+                       'CelebA); pass --download to fetch it, or '
+                       '--use_synthetic_data')
+  try:
+    return tff.simulation.datasets.celeba.load_data(
+        split_by_clients=True, cache_dir=cache_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    raise UsageError(f'cannot read CelebA from {database}: {e}') from e
+
+
+def _to_model_input(image: tf.Tensor) -> tf.Tensor:
+  return tf.cast(image, tf.float32) / 255.0
+
+
+def _to_batch(batch):
+  label = tf.cast(tf.expand_dims(batch[LABEL], -1), tf.float32)
+  return _to_model_input(batch['image']), label
+
+
+def build_keras_model() -> tf.keras.Model:
+  return tf.keras.Sequential([
+      tf.keras.layers.InputLayer(input_shape=IMAGE_SHAPE),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(64, activation='relu'),
+      tf.keras.layers.Dense(1),
+  ])
+
+
+def _metrics():
+  return [tf.keras.metrics.BinaryAccuracy(name='accuracy', threshold=0.0),
+          tf.keras.metrics.AUC(name='auc', from_logits=True)]
+
+
+def _composite_ids(raw_ids, seed):
+  raw_ids = sorted(raw_ids)
+  np.random.default_rng(seed).shuffle(raw_ids)
+  usable = len(raw_ids) - len(raw_ids) % COMPOSITE_SIZE
+  return tuple(
+      COMPOSITE_SEPARATOR.join(raw_ids[i:i + COMPOSITE_SIZE])
+      for i in range(0, usable, COMPOSITE_SIZE))
+
+
+def build_task(config: base.DataConfig) -> base.Task:
+  mode = config.options.get('celeba_mode', 'mixed')
+  if mode not in MODES:
+    raise UsageError(f'--celeba_mode={mode!r} is unknown; allowed: '
+                     f'{", ".join(MODES)}')
+  train, test = _load_client_data(config)
+  raw_examples = train.serializable_dataset_fn
+  raw_train_ids = tuple(train.client_ids)
+  if mode == 'mixed':
+    train_ids = _composite_ids(raw_train_ids, config.seed)
+  else:
+    train_ids = raw_train_ids
+
+  def client_examples(client_id):
+    # A composite client is its raw clients' data in sequence.
+    raw_ids = tf.strings.split(client_id, COMPOSITE_SEPARATOR)
+    examples = tf.data.Dataset.from_tensor_slices(raw_ids).flat_map(
+        raw_examples)
+    if mode == 'mixed':
+      examples = examples.filter(lambda e: e[LABEL])
+    return examples
+
+  def client_dataset(client_id, seed):
+    return base.client_batches(client_examples(client_id), config,
+                               seed).map(_to_batch)
+
+  server_dataset = None
+  if mode == 'mixed':
+    raw_id_tensor = tf.constant(raw_train_ids)
+
+    def server_batches(seed):
+      # Fresh central batches each round: a seeded pass over the train
+      # clients' non-smiling images.
+      examples = tf.data.Dataset.from_tensor_slices(raw_id_tensor).shuffle(
+          len(raw_train_ids), seed=seed).flat_map(raw_examples).filter(
+              lambda e: tf.logical_not(e[LABEL]))
+      return examples.shuffle(
+          2 * config.central_batch_size, seed=seed).repeat().batch(
+              config.central_batch_size).take(
+                  config.central_steps).map(_to_batch)
+
+    server_dataset = base.server_dataset_computation(server_batches)
+
+  def eval_datasets():
+    return {'': test.create_tf_dataset_from_all_clients().batch(
+        config.eval_batch_size).map(_to_batch)}
+
+  batch_spec = (tf.TensorSpec([None, *IMAGE_SHAPE], tf.float32),
+                tf.TensorSpec([None, 1], tf.float32))
+  serving = base.ServingSpec(
+      input_name='images',
+      input_spec=tf.TensorSpec([None, *IMAGE_SHAPE], tf.float32),
+      preprocess=_to_model_input,
+      postprocess=lambda logits: {'smiling_probability': tf.sigmoid(logits)})
+  return base.Task(
+      name='celeba_smile',
+      train_client_ids=train_ids,
+      client_dataset_computation=base.client_dataset_computation(
+          client_dataset),
+      keras_model_fn=build_keras_model,
+      loss_fn=lambda: tf.keras.losses.BinaryCrossentropy(from_logits=True),
+      metrics_fn=_metrics,
+      batch_spec=batch_spec,
+      eval_datasets_fn=eval_datasets,
+      serving=serving,
+      server_dataset_computation=server_dataset)

@@ -1,0 +1,1 @@
+"""Federated algorithms: pure-TF update logic (`*_tf.py`) + TFF processes."""

@@ -1,0 +1,80 @@
+"""FedAvg, FedProx and FedSGD from `tff.learning.algorithms`, unchanged,
+adapted to the common process contract (tff_algos.contract)."""
+
+import collections
+from typing import Callable
+
+import tensorflow_federated as tff
+
+from tff_algos import contract
+from tff_algos import optimizers
+from tff_algos.config import AlgorithmConfig
+
+
+def adapt_learning_process(name: str,
+                           learning_process: tff.learning.templates.LearningProcess,
+                           flag_names: tuple[str, ...]) -> contract.FederatedAlgorithm:
+  """Wraps a LearningProcess: no client state, `train/*` metrics."""
+  state_type = learning_process.initialize.type_signature.result
+  data_type = learning_process.next.type_signature.parameter[1]
+
+  @tff.tensorflow.computation(data_type.member)
+  def no_client_state(dataset):
+    del dataset
+    return collections.OrderedDict()
+
+  @tff.federated_computation(state_type, data_type)
+  def next_fn(server_state, client_data):
+    output = learning_process.next(server_state, client_data)
+    metrics = tff.federated_zip(collections.OrderedDict(
+        train=output.metrics.client_work.train))
+    return (output.state, tff.federated_map(no_client_state, client_data),
+            metrics)
+
+  return contract.FederatedAlgorithm(
+      name=name,
+      process=tff.templates.IterativeProcess(learning_process.initialize,
+                                             next_fn),
+      get_model_weights=learning_process.get_model_weights,
+      set_model_weights=learning_process.set_model_weights,
+      flag_names=flag_names)
+
+
+_CLIENT_FLAGS = ('client_optimizer', 'client_learning_rate')
+_SERVER_FLAGS = ('server_optimizer', 'server_learning_rate')
+
+
+def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
+  process = tff.learning.algorithms.build_weighted_fed_avg(
+      model_fn,
+      client_optimizer_fn=optimizers.build(
+          config.client_optimizer, config.client_learning_rate,
+          'client_optimizer'),
+      server_optimizer_fn=optimizers.build(
+          config.server_optimizer, config.server_learning_rate,
+          'server_optimizer'))
+  return adapt_learning_process('fedavg', process, _CLIENT_FLAGS + _SERVER_FLAGS)
+
+
+def build_fedprox(model_fn: Callable, config: AlgorithmConfig):
+  process = tff.learning.algorithms.build_weighted_fed_prox(
+      model_fn,
+      proximal_strength=config.proximal_strength,
+      client_optimizer_fn=optimizers.build(
+          config.client_optimizer, config.client_learning_rate,
+          'client_optimizer'),
+      server_optimizer_fn=optimizers.build(
+          config.server_optimizer, config.server_learning_rate,
+          'server_optimizer'))
+  return adapt_learning_process(
+      'fedprox', process,
+      _CLIENT_FLAGS + _SERVER_FLAGS + ('proximal_strength',))
+
+
+def build_fedsgd(model_fn: Callable, config: AlgorithmConfig):
+  process = tff.learning.algorithms.build_fed_sgd(
+      model_fn,
+      server_optimizer_fn=optimizers.build(
+          config.server_optimizer, config.server_learning_rate,
+          'server_optimizer'))
+  return adapt_learning_process('fedsgd', process, _SERVER_FLAGS)

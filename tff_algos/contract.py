@@ -1,0 +1,94 @@
+"""The one process contract every algorithm meets, and its client-by-id form.
+
+An algorithm builder returns a `FederatedAlgorithm` whose `process` works on
+datasets:
+
+  initialize: ( -> server_state@SERVER)
+  next: (server_state@SERVER, client_inputs@CLIENTS[, server_data@SERVER])
+        -> <server_state@SERVER, client_outputs@CLIENTS, metrics@SERVER>
+
+where `client_inputs` is the client's dataset, or `<data, state>` when the
+algorithm keeps persistent client state; `client_outputs` is `<state>` with the
+updated client state (an empty struct when there is none); `server_data` is a
+dataset of central batches (mixed FL). `metrics` is a structure whose top-level
+keys become metric-name prefixes (`train/loss`, ...).
+
+`compose_by_id` turns that into what the driver runs: clients are passed by
+id (plus a per-round shuffle seed and their stored state) and every dataset is
+built inside the TFF computation (SPEC 4.4), so no dataset is serialized from
+Python each round.
+"""
+
+import collections
+import dataclasses
+from typing import Any, Callable, Optional
+
+import numpy as np
+import tensorflow_federated as tff
+
+ModelWeights = tff.learning.models.ModelWeights
+
+# Type of the per-client input of a by-id process (without the state field).
+CLIENT_ID_FIELDS = (('id', np.str_), ('seed', np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class FederatedAlgorithm:
+  """An algorithm as the driver sees it (see module docstring)."""
+  name: str
+  process: tff.templates.IterativeProcess
+  # Python-side accessors of the global model inside a server state.
+  get_model_weights: Callable[[Any], ModelWeights]
+  set_model_weights: Callable[[Any, ModelWeights], Any]
+  # Initial persistent state of a never-sampled client; None if stateless.
+  client_state_fn: Optional[Callable[[], Any]] = None
+  uses_server_data: bool = False
+  # Algorithm-specific flags that apply (validated by the binaries).
+  flag_names: tuple[str, ...] = ()
+
+  @property
+  def has_client_state(self) -> bool:
+    return self.client_state_fn is not None
+
+
+def compose_by_id(
+    algorithm: FederatedAlgorithm,
+    client_dataset_computation: tff.Computation,
+    server_dataset_computation: Optional[tff.Computation] = None,
+) -> tff.templates.IterativeProcess:
+  """Returns the process the driver runs.
+
+  next: (server_state@SERVER, <id, seed[, state]>@CLIENTS, int64@SERVER)
+        -> <server_state@SERVER, client_outputs@CLIENTS, metrics@SERVER>
+
+  Args:
+    algorithm: the dataset-level algorithm.
+    client_dataset_computation: `<id: str, seed: int64> -> dataset`.
+    server_dataset_computation: `int64 seed -> dataset` of central batches;
+      required when the algorithm uses server data.
+  """
+  inner = algorithm.process
+  state_type = inner.initialize.type_signature.result
+  fields = list(CLIENT_ID_FIELDS)
+  if algorithm.has_client_state:
+    client_state_type = inner.next.type_signature.parameter[1].member.state
+    fields.append(('state', client_state_type))
+  client_input_type = tff.FederatedType(tff.StructType(fields), tff.CLIENTS)
+  if algorithm.uses_server_data and server_dataset_computation is None:
+    raise ValueError(f'{algorithm.name} needs server data; this task has none')
+
+  @tff.federated_computation(state_type, client_input_type,
+                             tff.FederatedType(np.int64, tff.SERVER))
+  def next_fn(server_state, client_inputs, server_seed):
+    client_id_and_seed = tff.federated_zip(
+        collections.OrderedDict(id=client_inputs.id, seed=client_inputs.seed))
+    data = tff.federated_map(client_dataset_computation, client_id_and_seed)
+    if algorithm.has_client_state:
+      data = tff.federated_zip(
+          collections.OrderedDict(data=data, state=client_inputs.state))
+    if algorithm.uses_server_data:
+      server_data = tff.federated_map(server_dataset_computation, server_seed)
+      return inner.next(server_state, data, server_data)
+    return inner.next(server_state, data)
+
+  return tff.templates.IterativeProcess(inner.initialize, next_fn)
