@@ -9,6 +9,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from pipeline import tff_runtime
 from pipeline.errors import UsageError
@@ -22,6 +23,10 @@ def run(main) -> None:
   def guarded_main(argv):
     if len(argv) > 1:
       raise UsageError(f'unexpected positional arguments: {argv[1:]}')
+    if not flags.FLAGS['verbosity'].present:
+      logging.set_verbosity(logging.WARNING)
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
+      tf.get_logger().setLevel('WARNING')
     try:
       return main(argv)
     except UsageError as e:

@@ -14,7 +14,7 @@ flags.DEFINE_string('root_output_dir', 'runs', 'Root of all run directories.')
 flags.DEFINE_integer('total_rounds', 10, 'Rounds to train (resumes if more).')
 flags.DEFINE_integer('clients_per_round', 10, 'Clients sampled per round.')
 flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
-flags.DEFINE_integer('rounds_per_checkpoint', 1,
+flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
 flags.DEFINE_integer('seed', 0, 'Seed of initialization, sampling and data.')
 flags.DEFINE_enum('client_state_store', 'memory', list(client_store.BACKENDS),

@@ -99,6 +99,12 @@ def initial_model_weights(task: base.Task,
   return tff.learning.models.ModelWeights.from_model(task.keras_model_fn())
 
 
+def program_state_structure(algorithm: contract.FederatedAlgorithm,
+                            round_num: int):
+  """The structure a checkpoint of `algorithm` is loaded into."""
+  return _program_state(round_num, algorithm.process.initialize(), b'')
+
+
 def _program_state(round_num: int, server_state, store_bytes: bytes):
   return collections.OrderedDict(
       round_num=np.int64(round_num), server_state=server_state,

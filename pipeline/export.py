@@ -18,6 +18,10 @@ def export_saved_model(task: base.Task,
   serving = task.serving
   module = tf.Module()
   module.model = model
+  # Plain variable lists, so `load_model_weights` can read the weights back
+  # without Keras (evaluation of an export).
+  module.trainable_weights = list(model.trainable_weights)
+  module.non_trainable_weights = list(model.non_trainable_weights)
 
   @tf.function(input_signature=[
       tf.TensorSpec(serving.input_spec.shape, serving.input_spec.dtype,
@@ -38,3 +42,11 @@ def export_saved_model(task: base.Task,
   os.rename(staging, export_dir)
   shutil.rmtree(retired, ignore_errors=True)
   return export_dir
+
+
+def load_model_weights(export_dir: str) -> tff.learning.models.ModelWeights:
+  """The global model's weights stored in an export."""
+  loaded = tf.saved_model.load(export_dir)
+  return tff.learning.models.ModelWeights(
+      trainable=[v.numpy() for v in loaded.trainable_weights],
+      non_trainable=[v.numpy() for v in loaded.non_trainable_weights])
