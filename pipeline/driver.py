@@ -38,7 +38,7 @@ class RunConfig:
   total_rounds: int
   clients_per_round: int
   rounds_per_eval: int = 1
-  rounds_per_checkpoint: int = 1
+  rounds_per_checkpoint: int = 5
   seed: int = 0
   client_state_store: str = 'memory'
   checkpoints_to_keep: int = 3

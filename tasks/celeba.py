@@ -164,7 +164,8 @@ def build_task(config: base.DataConfig) -> base.Task:
     server_dataset = base.server_dataset_computation(server_batches)
 
   def eval_datasets():
-    return {'': test.create_tf_dataset_from_all_clients().batch(
+    # A fixed client order: eval batches (and so float sums) never change.
+    return {'': test.create_tf_dataset_from_all_clients(seed=0).batch(
         config.eval_batch_size).map(_to_batch)}
 
   batch_spec = (tf.TensorSpec([None, *IMAGE_SHAPE], tf.float32),
