@@ -17,8 +17,10 @@ flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
 flags.DEFINE_integer('seed', 0, 'Seed of initialization, sampling and data.')
-flags.DEFINE_enum('client_state_store', 'memory', list(client_store.BACKENDS),
-                  'Where per-client state lives.')
+flags.DEFINE_enum('client_state_store', 'auto',
+                  ['auto'] + list(client_store.BACKENDS),
+                  'Where per-client state lives (auto: sqlite from '
+                  f'{client_store.AUTO_SQLITE_MIN_CLIENTS} train clients on).')
 flags.DEFINE_enum('runtime', 'tff', ['tff'], 'Execution runtime.')
 flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                      'Cap on concurrent calls in the TFF C++ runtime '

@@ -20,6 +20,15 @@ import tree
 from pipeline.errors import UsageError
 
 BACKENDS = ('memory', 'sqlite')
+# 'auto' picks sqlite above this many train clients: per-client states of a
+# large population (StackOverflow: 342,477 clients) must not live in RAM.
+AUTO_SQLITE_MIN_CLIENTS = 10_000
+
+
+def resolve_backend(backend: str, num_clients: int) -> str:
+  if backend == 'auto':
+    return 'sqlite' if num_clients >= AUTO_SQLITE_MIN_CLIENTS else 'memory'
+  return backend
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS client_states (
