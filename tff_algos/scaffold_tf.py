@@ -143,10 +143,12 @@ def build_client_update(model: tff.learning.models.VariableModel,
         output = model.forward_pass(batch, training=True)
       batch_size = tf.cast(output.num_examples, tf.float32)
       gradients = tape.gradient(output.loss, variables)
-      return ([s + batch_size * g for s, g in zip(gradient_sums, gradients)],
+      return (tuple(s + batch_size * g
+                    for s, g in zip(gradient_sums, gradients)),
               num_examples + batch_size)
 
-    initial = ([tf.zeros_like(v) for v in variables], tf.constant(0.0))
+    # Tuples, not lists: dataset.reduce would stack a list into one tensor.
+    initial = (tuple(tf.zeros_like(v) for v in variables), tf.constant(0.0))
     return dataset.reduce(initial, add_batch)
 
   @tf.function
