@@ -3,6 +3,7 @@
 from absl import flags
 
 from pipeline import client_store
+from pipeline.errors import UsageError
 from tasks import base as task_base
 from tff_algos import config as algo_config
 
@@ -41,6 +42,16 @@ flags.DEFINE_boolean('download', False,
 flags.DEFINE_string('celeba_mode', 'mixed',
                     'celeba_smile: mixed (federated smiling / central '
                     'non-smiling) or federated (both labels on clients).')
+flags.DEFINE_string('model', None,
+                    'Model of tasks that offer several (digits: logistic or '
+                    'mlp); unset: the task default.')
+flags.DEFINE_integer('num_clients', None,
+                     'Clients N a centralized dataset is split into (digits: '
+                     'default 100).')
+flags.DEFINE_float('similarity', None,
+                   'Percentage s in [0, 100] of each client\'s data drawn '
+                   'i.i.d.; the rest is label-sorted shards (digits: default '
+                   '0).')
 
 # Optimization (common).
 flags.DEFINE_string('client_optimizer', 'sgd', 'Client optimizer.')
@@ -58,7 +69,19 @@ flags.DEFINE_float('central_weight', 0.5, 'Mixed FL: w_c.')
 flags.DEFINE_boolean('mixed_diagnostics', False, 'Mixed FL: eq. 7 metrics.')
 flags.DEFINE_float('proximal_strength', 0.01, 'FedProx: mu.')
 flags.DEFINE_integer('scaffold_option', 2, 'SCAFFOLD: control variate option.')
-flags.DEFINE_integer('pvr_last_layers', 1, 'FedPVR: layers with variates.')
+flags.DEFINE_integer('pvr_last_layers', 1,
+                     'FedPVR: control variates on the last L layers that have '
+                     'trainable variables (0: FedAvg; >= layer count: '
+                     'SCAFFOLD).')
+flags.DEFINE_integer('pvr_start_variable', None,
+                     'FedPVR: control variates on trainable variables from '
+                     'this index on (instead of --pvr_last_layers).')
+flags.DEFINE_boolean('drift_diversity', False,
+                     'SCAFFOLD/FedPVR: per-layer drift diversity metrics.')
+flags.DEFINE_enum('client_weighting', 'num_examples',
+                  list(algo_config.CLIENT_WEIGHTINGS),
+                  'Weights of clients in server means: examples processed or '
+                  'uniform.')
 flags.DEFINE_integer('fedres_option', 2, 'FedResAvg: option I or II.')
 flags.DEFINE_float('local_learning_rate', 0.01, 'FedRes: lambda.')
 flags.DEFINE_float('fedres_alpha', 1.0, 'FedResAvg: server step alpha.')
@@ -70,7 +93,8 @@ ALGORITHM_FLAGS = (
     'central_learning_rate', 'merge_learning_rate', 'federated_weight',
     'central_weight', 'mixed_diagnostics', 'proximal_strength',
     'scaffold_option', 'pvr_last_layers', 'fedres_option',
-    'local_learning_rate', 'fedres_alpha')
+    'local_learning_rate', 'fedres_alpha', 'pvr_start_variable',
+    'drift_diversity', 'client_weighting')
 
 FLAGS = flags.FLAGS
 
@@ -93,10 +117,22 @@ def data_config() -> task_base.DataConfig:
       cache_dir=FLAGS.cache_dir,
       data_dir=FLAGS.data_dir,
       download=FLAGS.download,
-      options={'celeba_mode': FLAGS.celeba_mode})
+      options=_task_options())
+
+
+def _task_options() -> dict:
+  """Task options; those left unset take each task's own default."""
+  options = {'celeba_mode': FLAGS.celeba_mode}
+  for name in ('model', 'num_clients', 'similarity'):
+    if FLAGS[name].value is not None:
+      options[name] = FLAGS[name].value
+  return options
 
 
 def algorithm_config(num_train_clients: int) -> algo_config.AlgorithmConfig:
+  if FLAGS['pvr_last_layers'].present and FLAGS.pvr_start_variable is not None:
+    raise UsageError('--pvr_last_layers and --pvr_start_variable choose the '
+                     'same mask; pass one of them')
   return algo_config.AlgorithmConfig(
       client_optimizer=FLAGS.client_optimizer,
       client_learning_rate=FLAGS.client_learning_rate,
@@ -104,4 +140,9 @@ def algorithm_config(num_train_clients: int) -> algo_config.AlgorithmConfig:
       server_learning_rate=FLAGS.server_learning_rate,
       proximal_strength=FLAGS.proximal_strength,
       num_train_clients=num_train_clients,
-      clients_per_round=FLAGS.clients_per_round)
+      clients_per_round=FLAGS.clients_per_round,
+      client_weighting=FLAGS.client_weighting,
+      scaffold_option=FLAGS.scaffold_option,
+      pvr_last_layers=FLAGS.pvr_last_layers,
+      pvr_start_variable=FLAGS.pvr_start_variable,
+      drift_diversity=FLAGS.drift_diversity)

@@ -5,9 +5,11 @@ from typing import Callable
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import celeba
+from tasks import digits
 
 _BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
     'celeba_smile': celeba.build_task,
+    'digits': digits.build_task,
 }
 NAMES = tuple(_BUILDERS)
 

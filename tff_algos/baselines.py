@@ -6,9 +6,11 @@ from typing import Callable
 
 import tensorflow_federated as tff
 
+from pipeline.errors import UsageError
 from tff_algos import contract
 from tff_algos import optimizers
 from tff_algos.config import AlgorithmConfig
+from tff_algos.config import CLIENT_WEIGHTINGS
 
 
 def adapt_learning_process(name: str,
@@ -40,13 +42,23 @@ def adapt_learning_process(name: str,
       flag_names=flag_names)
 
 
-_CLIENT_FLAGS = ('client_optimizer', 'client_learning_rate')
+_CLIENT_FLAGS = ('client_optimizer', 'client_learning_rate',
+                 'client_weighting')
 _SERVER_FLAGS = ('server_optimizer', 'server_learning_rate')
+
+
+def client_weighting(name: str) -> tff.learning.ClientWeighting:
+  if name not in CLIENT_WEIGHTINGS:
+    raise UsageError(f'--client_weighting={name!r} is unknown; allowed: '
+                     f'{", ".join(CLIENT_WEIGHTINGS)}')
+  return {'num_examples': tff.learning.ClientWeighting.NUM_EXAMPLES,
+          'uniform': tff.learning.ClientWeighting.UNIFORM}[name]
 
 
 def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
   process = tff.learning.algorithms.build_weighted_fed_avg(
       model_fn,
+      client_weighting=client_weighting(config.client_weighting),
       client_optimizer_fn=optimizers.build(
           config.client_optimizer, config.client_learning_rate,
           'client_optimizer'),
@@ -60,6 +72,7 @@ def build_fedprox(model_fn: Callable, config: AlgorithmConfig):
   process = tff.learning.algorithms.build_weighted_fed_prox(
       model_fn,
       proximal_strength=config.proximal_strength,
+      client_weighting=client_weighting(config.client_weighting),
       client_optimizer_fn=optimizers.build(
           config.client_optimizer, config.client_learning_rate,
           'client_optimizer'),

@@ -1,6 +1,10 @@
 """Hyperparameters of every algorithm, filled from the command line."""
 
 import dataclasses
+from typing import Optional
+
+# How server means weight clients: by examples processed (SPEC 5) or equally.
+CLIENT_WEIGHTINGS = ('num_examples', 'uniform')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,3 +17,12 @@ class AlgorithmConfig:
   # Size N of the train population (SCAFFOLD's |S|/N rule).
   num_train_clients: int = 1
   clients_per_round: int = 1
+  # Client weights p_i in server means: 'num_examples' (processed) or
+  # 'uniform'.
+  client_weighting: str = 'num_examples'
+  # SCAFFOLD / FedPVR.
+  scaffold_option: int = 2
+  pvr_last_layers: int = 1
+  # When set, FedPVR masks trainable variables from this index on instead.
+  pvr_start_variable: Optional[int] = None
+  drift_diversity: bool = False
