@@ -12,7 +12,10 @@ flags.DEFINE_string('algorithm', None, 'Algorithm name, e.g. fedavg.')
 flags.DEFINE_string('experiment_name', None, 'Name of the run directory.')
 flags.DEFINE_string('root_output_dir', 'runs', 'Root of all run directories.')
 flags.DEFINE_integer('total_rounds', 10, 'Rounds to train (resumes if more).')
-flags.DEFINE_integer('clients_per_round', 10, 'Clients sampled per round.')
+flags.DEFINE_integer('clients_per_round', 10,
+                     'Clients sampled per round (default: the task\'s, e.g. '
+                     'all clients for cifar10/cifar100, 20%% for emnist; '
+                     'otherwise 10).')
 flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
@@ -39,6 +42,24 @@ flags.DEFINE_boolean('download', False,
 flags.DEFINE_string('celeba_mode', 'mixed',
                     'celeba_smile: mixed (federated smiling / central '
                     'non-smiling) or federated (both labels on clients).')
+# Task options of the re-partitioned tasks (emnist, digits, cifar10/100).
+flags.DEFINE_integer('num_clients', None,
+                     'Clients the pooled data is dealt to (default: the '
+                     'task\'s, 100 for emnist, 10 for cifar).')
+flags.DEFINE_float('similarity', 0.0,
+                   'emnist/digits: s, the percentage of i.i.d. data per '
+                   'client (the rest label-sorted shards), in [0, 100].')
+flags.DEFINE_float('dirichlet_alpha', 0.1,
+                   'cifar10/cifar100: concentration of the Dirichlet label '
+                   'partition (small: skewed clients).')
+flags.DEFINE_string('model', None,
+                    'Model of the task (emnist: logistic|mlp; cifar10/100: '
+                    'vgg11|resnet8); default: the first.')
+flags.DEFINE_float('model_width', 1.0,
+                   'Multiplier of layer widths (MLP hidden units, conv '
+                   'channels); < 1 for small test models.')
+flags.DEFINE_boolean('emnist_only_digits', False,
+                     'emnist: the 10-digit split instead of all 62 classes.')
 
 # Optimization (common).
 flags.DEFINE_string('client_optimizer', 'sgd', 'Client optimizer.')
@@ -91,7 +112,24 @@ def data_config() -> task_base.DataConfig:
       cache_dir=FLAGS.cache_dir,
       data_dir=FLAGS.data_dir,
       download=FLAGS.download,
-      options={'celeba_mode': FLAGS.celeba_mode})
+      options={'celeba_mode': FLAGS.celeba_mode,
+               'num_clients': FLAGS.num_clients,
+               'similarity': FLAGS.similarity,
+               'dirichlet_alpha': FLAGS.dirichlet_alpha,
+               'model': FLAGS.model,
+               'model_width': FLAGS.model_width,
+               'emnist_only_digits': FLAGS.emnist_only_digits})
+
+
+def apply_task_defaults(task: task_base.Task) -> None:
+  """Flags whose default depends on the task, unless given explicitly.
+
+  The resolved value is what hparams.json records, so evaluate/export and a
+  resumed run see the same value.
+  """
+  if (not FLAGS['clients_per_round'].present and
+      task.default_clients_per_round is not None):
+    FLAGS.clients_per_round = task.default_clients_per_round
 
 
 def algorithm_config(num_train_clients: int) -> algo_config.AlgorithmConfig:

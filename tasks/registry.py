@@ -5,9 +5,14 @@ from typing import Callable
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import celeba
+from tasks import cifar
+from tasks import emnist
 
 _BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
     'celeba_smile': celeba.build_task,
+    'emnist': emnist.build_task,
+    'cifar10': cifar.build_cifar10,
+    'cifar100': cifar.build_cifar100,
 }
 NAMES = tuple(_BUILDERS)
 
