@@ -13,7 +13,10 @@ flags.DEFINE_string('algorithm', None, 'Algorithm name, e.g. fedavg.')
 flags.DEFINE_string('experiment_name', None, 'Name of the run directory.')
 flags.DEFINE_string('root_output_dir', 'runs', 'Root of all run directories.')
 flags.DEFINE_integer('total_rounds', 10, 'Rounds to train (resumes if more).')
-flags.DEFINE_integer('clients_per_round', 10, 'Clients sampled per round.')
+flags.DEFINE_integer('clients_per_round', 10,
+                     'Clients sampled per round (default: the task\'s, e.g. '
+                     'all clients for cifar10/cifar100, 20%% for emnist; '
+                     'otherwise 10).')
 flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
@@ -42,16 +45,26 @@ flags.DEFINE_boolean('download', False,
 flags.DEFINE_string('celeba_mode', 'mixed',
                     'celeba_smile: mixed (federated smiling / central '
                     'non-smiling) or federated (both labels on clients).')
-flags.DEFINE_string('model', None,
-                    'Model of tasks that offer several (digits: logistic or '
-                    'mlp); unset: the task default.')
+# Task options of the re-partitioned tasks (emnist, digits, cifar10/100);
+# unset ones take each task's own default.
 flags.DEFINE_integer('num_clients', None,
-                     'Clients N a centralized dataset is split into (digits: '
-                     'default 100).')
+                     'Clients the pooled data is dealt to (default: the '
+                     'task\'s: 100 for emnist/digits, 10 for cifar).')
 flags.DEFINE_float('similarity', None,
-                   'Percentage s in [0, 100] of each client\'s data drawn '
-                   'i.i.d.; the rest is label-sorted shards (digits: default '
-                   '0).')
+                   'emnist/digits: s, the percentage of i.i.d. data per '
+                   'client (the rest label-sorted shards), in [0, 100] '
+                   '(default 0).')
+flags.DEFINE_float('dirichlet_alpha', None,
+                   'cifar10/cifar100: concentration of the Dirichlet label '
+                   'partition (small: skewed clients; default 0.1).')
+flags.DEFINE_string('model', None,
+                    'Model of the task (digits/emnist: logistic|mlp; '
+                    'cifar10/100: vgg11|resnet8); default: the task\'s.')
+flags.DEFINE_float('model_width', 1.0,
+                   'Multiplier of layer widths (MLP hidden units, conv '
+                   'channels); < 1 for small test models.')
+flags.DEFINE_boolean('emnist_only_digits', False,
+                     'emnist: the 10-digit split instead of all 62 classes.')
 
 # Optimization (common).
 flags.DEFINE_string('client_optimizer', 'sgd', 'Client optimizer.')
@@ -122,11 +135,24 @@ def data_config() -> task_base.DataConfig:
 
 def _task_options() -> dict:
   """Task options; those left unset take each task's own default."""
-  options = {'celeba_mode': FLAGS.celeba_mode}
-  for name in ('model', 'num_clients', 'similarity'):
+  options = {'celeba_mode': FLAGS.celeba_mode,
+             'model_width': FLAGS.model_width,
+             'emnist_only_digits': FLAGS.emnist_only_digits}
+  for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha'):
     if FLAGS[name].value is not None:
       options[name] = FLAGS[name].value
   return options
+
+
+def apply_task_defaults(task: task_base.Task) -> None:
+  """Flags whose default depends on the task, unless given explicitly.
+
+  The resolved value is what hparams.json records, so evaluate/export and a
+  resumed run see the same value.
+  """
+  if (not FLAGS['clients_per_round'].present and
+      task.default_clients_per_round is not None):
+    FLAGS.clients_per_round = task.default_clients_per_round
 
 
 def algorithm_config(num_train_clients: int) -> algo_config.AlgorithmConfig:

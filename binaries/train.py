@@ -41,6 +41,7 @@ def main(argv):
                      f'{", ".join(task_registry.NAMES)}')
   tff_runtime.configure_execution(FLAGS.max_concurrent_computation_calls)
   task = task_registry.build_task(FLAGS.task, flags_lib.data_config())
+  flags_lib.apply_task_defaults(task)
   config = run_config()
   config.validate(task.num_train_clients)
   algorithm = algorithm_registry.build_algorithm(

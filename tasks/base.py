@@ -81,6 +81,9 @@ class Task:
   serving: ServingSpec
   # int64 seed -> central batches (mixed FL); None if the task has none.
   server_dataset_computation: Optional[tff.Computation] = None
+  # Clients per round when --clients_per_round is not given (e.g. full
+  # participation for CIFAR); None keeps the flag's default.
+  default_clients_per_round: Optional[int] = None
 
   @property
   def num_train_clients(self) -> int:

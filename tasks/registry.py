@@ -5,11 +5,16 @@ from typing import Callable
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import celeba
+from tasks import cifar
 from tasks import digits
+from tasks import emnist
 
 _BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
     'celeba_smile': celeba.build_task,
+    'cifar10': cifar.build_cifar10,
+    'cifar100': cifar.build_cifar100,
     'digits': digits.build_task,
+    'emnist': emnist.build_task,
 }
 NAMES = tuple(_BUILDERS)
 

@@ -1,0 +1,136 @@
+"""Re-partitioned client data stored in TFF's SqlClientData format.
+
+Tasks that pool a dataset and deal it to synthetic clients (EMNIST with the
+s% similarity rule, CIFAR with a Dirichlet partition) cannot keep the pooled
+data in the TFF computation: a client dataset computation carrying hundreds of
+MB of constants would be serialized into the runtime. Instead the partition is
+written once to an SQLite file in the schema of
+`tff.simulation.datasets.SqlClientData` (tables `examples` and
+`client_metadata`, one serialized `tf.train.Example` per row), and clients read
+their rows by id inside the computation, as TFF's own loaders do.
+
+The file is a cache: its name and a stored fingerprint (source file, sizes,
+partition parameters) decide whether an existing file can be reused; it is
+written to a staging name and renamed, so a crash never leaves a half-written
+partition behind.
+"""
+
+import atexit
+import os
+import shutil
+import sqlite3
+import tempfile
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+import tensorflow_federated as tff
+
+SPLIT_NAME = 'train'
+_FINGERPRINT_TABLE = 'partition_fingerprint'
+# Rows per INSERT batch while streaming the pooled examples.
+_WRITE_CHUNK = 2000
+
+_scratch_dir: Optional[str] = None
+
+
+def scratch_dir() -> str:
+  """A directory removed at process exit (for synthetic data)."""
+  global _scratch_dir
+  if _scratch_dir is None:
+    _scratch_dir = tempfile.mkdtemp(prefix='client_partitions_')
+    atexit.register(shutil.rmtree, _scratch_dir, ignore_errors=True)
+  return _scratch_dir
+
+
+def client_ids(num_clients: int) -> tuple[str, ...]:
+  width = len(str(num_clients - 1))
+  return tuple(f'client_{j:0{width}d}' for j in range(num_clients))
+
+
+def _stored_fingerprint(path: str) -> Optional[str]:
+  try:
+    connection = sqlite3.connect(f'file:{path}?mode=ro', uri=True)
+    try:
+      row = connection.execute(
+          f'SELECT value FROM {_FINGERPRINT_TABLE}').fetchone()
+    finally:
+      connection.close()
+  except sqlite3.Error:
+    return None
+  return row[0] if row else None
+
+
+def materialize(
+    path: str, fingerprint: str,
+    make_partition: Callable[[], tuple[Sequence[np.ndarray], Iterable[bytes]]],
+) -> tff.simulation.datasets.SqlClientData:
+  """The client database at `path`, built first unless it is up to date.
+
+  Args:
+    path: the SQLite file.
+    fingerprint: identifies the source and the partition parameters; a file
+      at `path` with the same fingerprint is reused without calling
+      `make_partition`.
+    make_partition: returns (indices into the pooled examples, one array per
+      client; the pooled examples in index order, each a serialized
+      `tf.train.Example`). Examples in no client are left out.
+
+  Returns:
+    Clients `client_0..` as SqlClientData of serialized examples.
+  """
+  if not (os.path.exists(path) and _stored_fingerprint(path) == fingerprint):
+    partition, serialized_examples = make_partition()
+    _build(path, partition, serialized_examples, fingerprint)
+  return tff.simulation.datasets.SqlClientData(path, split_name=SPLIT_NAME)
+
+
+def _build(path, partition, serialized_examples, fingerprint):
+  ids = client_ids(len(partition))
+  num_pooled = 1 + max((int(p.max()) for p in partition if len(p)), default=-1)
+  owner = np.full(num_pooled, -1, dtype=np.int64)
+  for client, indices in enumerate(partition):
+    if np.any(owner[indices] >= 0):
+      raise ValueError('partition assigns an example to two clients')
+    owner[indices] = client
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  staging = f'{path}.staging-{os.getpid()}'
+  if os.path.exists(staging):
+    os.remove(staging)
+  connection = sqlite3.connect(staging)
+  try:
+    connection.execute('CREATE TABLE examples (split_name TEXT NOT NULL, '
+                       'client_id TEXT NOT NULL, '
+                       'serialized_example_proto BLOB NOT NULL)')
+    connection.execute('CREATE TABLE client_metadata (client_id TEXT NOT '
+                       'NULL, split_name TEXT NOT NULL, num_examples INTEGER '
+                       'NOT NULL)')
+    connection.execute(f'CREATE TABLE {_FINGERPRINT_TABLE} (value TEXT)')
+    rows = []
+    seen = 0
+    for index, example in enumerate(serialized_examples):
+      seen = index + 1
+      if index < num_pooled and owner[index] >= 0:
+        rows.append((SPLIT_NAME, ids[owner[index]], example))
+      if len(rows) >= _WRITE_CHUNK:
+        connection.executemany('INSERT INTO examples VALUES (?, ?, ?)', rows)
+        rows = []
+    connection.executemany('INSERT INTO examples VALUES (?, ?, ?)', rows)
+    if seen < num_pooled:
+      raise ValueError(f'partition refers to example {num_pooled - 1} but the '
+                       f'source has only {seen} examples')
+    connection.executemany(
+        'INSERT INTO client_metadata VALUES (?, ?, ?)',
+        [(ids[j], SPLIT_NAME, len(indices))
+         for j, indices in enumerate(partition)])
+    # TFF reads one client's rows at a time.
+    connection.execute('CREATE INDEX examples_by_client ON examples '
+                       '(client_id, split_name)')
+    connection.execute(f'INSERT INTO {_FINGERPRINT_TABLE} VALUES (?)',
+                       (fingerprint,))
+    connection.commit()
+  except BaseException:
+    connection.close()
+    os.remove(staging)
+    raise
+  connection.close()
+  os.replace(staging, path)

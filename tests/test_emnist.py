@@ -1,0 +1,193 @@
+"""tasks.emnist on a tiny database in TFF's EMNIST sqlite format."""
+
+import collections
+import os
+import sqlite3
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pipeline.errors import UsageError
+from tasks import base
+from tasks import emnist
+from tasks import partition
+
+WRITERS = ('f0003_12', 'f0001_40', 'f0002_07', 'f0000_31', 'f0004_25')
+TRAIN_PER_WRITER = (7, 5, 9, 6, 8)
+TEST_PER_WRITER = 2
+NUM_CLIENTS = 4
+SEED = 5
+
+
+def _example(label: int, pixels: np.ndarray) -> bytes:
+  # TFF's EMNIST records: 'pixels' float [28, 28] and 'label' int64.
+  return tf.train.Example(features=tf.train.Features(feature={
+      'pixels': tf.train.Feature(
+          float_list=tf.train.FloatList(value=pixels.ravel())),
+      'label': tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
+  })).SerializeToString()
+
+
+def _write_emnist_sqlite(directory: str):
+  """emnist_all.sqlite with TFF's tables, split names and record format.
+
+  Returns {split: {writer: [(label, pixels), ...]}}. Pixels encode a unique
+  example number so examples can be matched after the round trip.
+  """
+  rng = np.random.default_rng(0)
+  content = collections.defaultdict(dict)
+  counter = 0
+  connection = sqlite3.connect(os.path.join(directory, 'emnist_all.sqlite'))
+  connection.execute('CREATE TABLE examples (split_name TEXT, client_id '
+                     'TEXT, serialized_example_proto BLOB)')
+  connection.execute('CREATE TABLE client_metadata (client_id TEXT, '
+                     'split_name TEXT, num_examples INTEGER)')
+  for split, num_classes in (('all', 62), ('digits_only', 10)):
+    for part, sizes in (('train', TRAIN_PER_WRITER),
+                        ('test', (TEST_PER_WRITER,) * len(WRITERS))):
+      split_name = f'{split}_{part}'
+      for writer, size in zip(WRITERS, sizes):
+        examples = []
+        for _ in range(size):
+          pixels = rng.uniform(size=(28, 28)).astype(np.float32)
+          pixels[0, 0] = counter
+          counter += 1
+          label = int(rng.integers(0, num_classes))
+          examples.append((label, pixels))
+          connection.execute('INSERT INTO examples VALUES (?, ?, ?)',
+                             (split_name, writer, _example(label, pixels)))
+        connection.execute('INSERT INTO client_metadata VALUES (?, ?, ?)',
+                           (writer, split_name, size))
+        content[split_name][writer] = examples
+  connection.commit()
+  connection.close()
+  return content
+
+
+@pytest.fixture(scope='module')
+def emnist_cache(tmp_path_factory):
+  directory = str(tmp_path_factory.mktemp('tff_cache'))
+  return directory, _write_emnist_sqlite(directory)
+
+
+def _config(cache_dir, **options):
+  options = {'num_clients': NUM_CLIENTS, 'similarity': 0.0, **options}
+  return base.DataConfig(client_batch_size=100, client_epochs=1, seed=SEED,
+                         cache_dir=cache_dir, options=options)
+
+
+def _pooled(content, split_name):
+  """The pool in the documented order: writers sorted, then row order."""
+  return [example for writer in sorted(content[split_name])
+          for example in content[split_name][writer]]
+
+
+def _client_examples(task, client_id):
+  examples = []
+  for pixels, labels in task.client_dataset_computation(client_id, 1):
+    for p, y in zip(pixels.numpy(), labels.numpy()):
+      examples.append((int(y), p.reshape(28, 28)))
+  return examples
+
+
+@pytest.fixture(scope='module')
+def task(emnist_cache):
+  return emnist.build_task(_config(emnist_cache[0], similarity=0.0))
+
+
+@pytest.mark.parametrize('only_digits', [False, True])
+def test_clients_hold_the_similarity_partition_of_the_pooled_writers(
+    emnist_cache, only_digits):
+  cache_dir, content = emnist_cache
+  task = emnist.build_task(_config(cache_dir, similarity=50.0,
+                                   emnist_only_digits=only_digits))
+  split = 'digits_only_train' if only_digits else 'all_train'
+  pooled = _pooled(content, split)
+  labels = np.array([label for label, _ in pooled])
+  expected = partition.similarity_partition(labels, NUM_CLIENTS, 50.0, SEED)
+  assert task.train_client_ids == tuple(
+      f'client_{j}' for j in range(NUM_CLIENTS))
+  for client_id, indices in zip(task.train_client_ids, expected):
+    got = sorted((label, float(pixels[0, 0]))
+                 for label, pixels in _client_examples(task, client_id))
+    want = sorted((pooled[i][0], float(pooled[i][1][0, 0])) for i in indices)
+    assert got == want
+  # Pixels survive the round trip bit for bit (flattened to 784 features).
+  label, pixels = _client_examples(task, task.train_client_ids[0])[0]
+  original = {float(p[0, 0]): p for _, p in pooled}[float(pixels[0, 0])]
+  np.testing.assert_array_equal(pixels, original)
+  model = task.keras_model_fn()
+  assert model.output_shape == (None, 10 if only_digits else 62)
+
+
+def test_label_sorted_clients_at_zero_similarity(task, emnist_cache):
+  _, content = emnist_cache
+  client_labels = [sorted(label for label, _ in _client_examples(task, c))
+                   for c in task.train_client_ids]
+  # Contiguous label-sorted shards: client k's labels all <= client k+1's.
+  for low, high in zip(client_labels, client_labels[1:]):
+    assert low[-1] <= high[0]
+  assert sum(map(len, client_labels)) == (
+      len(_pooled(content, 'all_train')) // NUM_CLIENTS * NUM_CLIENTS)
+
+
+def test_evaluation_is_the_pooled_test_split(task, emnist_cache):
+  _, content = emnist_cache
+  (dataset,) = task.eval_datasets_fn().values()
+  got = sorted((int(y), float(x[0])) for xs, ys in dataset
+               for x, y in zip(xs.numpy(), ys.numpy()))
+  want = sorted((label, float(pixels[0, 0]))
+                for label, pixels in _pooled(content, 'all_test'))
+  assert got == want
+
+
+def test_partition_file_is_reused_and_keyed_by_parameters(emnist_cache):
+  cache_dir, _ = emnist_cache
+  emnist.build_task(_config(cache_dir, similarity=10.0))
+  files = sorted(os.listdir(os.path.join(cache_dir, 'partitions')))
+  path = os.path.join(cache_dir, 'partitions',
+                      [f for f in files if 'similarity10_' in f][0])
+  mtime = os.stat(path).st_mtime_ns
+  emnist.build_task(_config(cache_dir, similarity=10.0))
+  assert os.stat(path).st_mtime_ns == mtime
+  emnist.build_task(_config(cache_dir, similarity=10.0, num_clients=3))
+  assert len(os.listdir(os.path.join(cache_dir, 'partitions'))) == len(files) + 1
+
+
+def test_synthetic_data_has_the_real_structure(task):
+  synthetic = emnist.build_task(base.DataConfig(
+      client_batch_size=4, client_steps=2, use_synthetic_data=True,
+      options={'num_clients': 6}))
+  assert synthetic.train_client_ids == tuple(f'client_{j}' for j in range(6))
+  assert synthetic.batch_spec == task.batch_spec
+  assert (synthetic.client_dataset_computation.type_signature.result ==
+          task.client_dataset_computation.type_signature.result)
+  real_eval = next(iter(task.eval_datasets_fn().values()))
+  synthetic_eval = next(iter(synthetic.eval_datasets_fn().values()))
+  assert synthetic_eval.element_spec == real_eval.element_spec
+  batches = list(synthetic.client_dataset_computation('client_3', 9))
+  assert len(batches) == 2 and batches[0][0].shape == (4, 784)
+  assert synthetic.default_clients_per_round == 1  # 20% of 6, rounded
+
+
+def test_models(emnist_cache):
+  cache_dir, _ = emnist_cache
+  mlp = emnist.build_task(_config(cache_dir, model='mlp')).keras_model_fn()
+  assert [v.shape.as_list() for v in mlp.trainable_variables] == [
+      [784, 200], [200], [200, 62], [62]]
+  logistic = emnist.build_task(_config(cache_dir)).keras_model_fn()
+  assert [v.shape.as_list() for v in logistic.trainable_variables] == [
+      [784, 62], [62]]
+
+
+def test_usage_errors(tmp_path, emnist_cache):
+  with pytest.raises(UsageError, match='has no emnist_all.sqlite'):
+    emnist.build_task(_config(str(tmp_path)))
+  cache_dir, _ = emnist_cache
+  with pytest.raises(UsageError, match='--model=.vgg11. is not an emnist'):
+    emnist.build_task(_config(cache_dir, model='vgg11'))
+  with pytest.raises(UsageError, match='--similarity'):
+    emnist.build_task(_config(cache_dir, similarity=101.0))
+  with pytest.raises(UsageError, match='--num_clients'):
+    emnist.build_task(_config(cache_dir, num_clients=1000))
