@@ -1,6 +1,7 @@
 """Hyperparameters of every algorithm, filled from the command line."""
 
 import dataclasses
+from typing import Any, Callable, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,3 +14,16 @@ class AlgorithmConfig:
   # Size N of the train population (SCAFFOLD's |S|/N rule).
   num_train_clients: int = 1
   clients_per_round: int = 1
+  # Mixed FL (SPEC 5.2).
+  central_optimizer: str = 'sgd'
+  central_learning_rate: float = 0.01
+  merge_optimizer: str = 'sgd'
+  merge_learning_rate: float = 1.0
+  federated_weight: float = 0.5
+  central_weight: float = 0.5
+  mixed_diagnostics: bool = False
+  # K central steps per round (PT, 2-w GT); None when K is not set.
+  central_steps: Optional[int] = None
+  # A data-free centralized loss supplied by the task (model weights ->
+  # scalar), e.g. an embedding regularizer; None: the loss on server batches.
+  central_loss_fn: Optional[Callable[[Any], Any]] = None

@@ -5,6 +5,7 @@ from typing import Callable
 from pipeline.errors import UsageError
 from tff_algos import baselines
 from tff_algos import contract
+from tff_algos import mixed_tff
 from tff_algos.config import AlgorithmConfig
 
 Builder = Callable[[Callable, AlgorithmConfig], contract.FederatedAlgorithm]
@@ -13,6 +14,9 @@ _BUILDERS: dict[str, Builder] = {
     'fedavg': baselines.build_fedavg,
     'fedprox': baselines.build_fedprox,
     'fedsgd': baselines.build_fedsgd,
+    'mixed_pt': mixed_tff.build_mixed_pt,
+    'mixed_1wgt': mixed_tff.build_mixed_1wgt,
+    'mixed_2wgt': mixed_tff.build_mixed_2wgt,
 }
 NAMES = tuple(_BUILDERS)
 # Every algorithm named by SPEC 7; those not in _BUILDERS are not built yet.
