@@ -17,11 +17,11 @@ from pipeline.errors import UsageError
 EXIT_USAGE = 2
 
 
-def run(main) -> None:
+def run(main, allow_positional_args: bool = False) -> None:
   tff_runtime.install_shutdown_hooks()
 
   def guarded_main(argv):
-    if len(argv) > 1:
+    if len(argv) > 1 and not allow_positional_args:
       raise UsageError(f'unexpected positional arguments: {argv[1:]}')
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)

@@ -81,6 +81,11 @@ class Task:
   serving: ServingSpec
   # int64 seed -> central batches (mixed FL); None if the task has none.
   server_dataset_computation: Optional[tff.Computation] = None
+  # A centralized loss without data (mixed FL), e.g. a regularizer of the
+  # embedding table: trainable ModelWeights (variables) -> scalar. Used
+  # instead of server data when set.
+  central_loss_fn: Optional[
+      Callable[[tff.learning.models.ModelWeights], tf.Tensor]] = None
 
   @property
   def num_train_clients(self) -> int:
