@@ -25,8 +25,10 @@ def run(main, allow_positional_args: bool = False) -> None:
       raise UsageError(f'unexpected positional arguments: {argv[1:]}')
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)
-      import tensorflow as tf  # pylint: disable=g-import-not-at-top
-      tf.get_logger().setLevel('WARNING')
+      # Only binaries that use TF have imported it; others (plot) stay light.
+      tf = sys.modules.get('tensorflow')
+      if tf is not None:
+        tf.get_logger().setLevel('WARNING')
     try:
       return main(argv)
     except UsageError as e:

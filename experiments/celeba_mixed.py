@@ -65,6 +65,10 @@ def main():
                       help='Write <prefix>_auc.png and <prefix>_loss.png.')
   parser.add_argument('--runs', default=','.join(r[0] for r in RUNS),
                       help='Comma-separated subset of the runs.')
+  parser.add_argument(
+      '--check_margin', type=float, default=None,
+      help='Exit 1 unless every mixed run ends with an eval AUC at least '
+      'this much above fl_only\'s.')
   args = parser.parse_args()
   # The binaries run from the repository root.
   args.root_output_dir = os.path.abspath(args.root_output_dir)
@@ -84,8 +88,10 @@ def main():
         f'({"synthetic" if args.use_synthetic_data else "real"} data)')
   print(f'{"run":<12} {"eval/auc":>9} {"best auc":>9} {"eval/loss":>10} '
         f'{"min loss":>9}')
+  final_auc = {}
   for (name, _, _), run_dir in zip(selected, run_dirs):
     auc, best_auc, _ = last_and_best(run_dir, 'eval/auc')
+    final_auc[name] = auc
     loss, _, min_loss = last_and_best(run_dir, 'eval/loss')
     print(f'{name:<12} {auc:9.4f} {best_auc:9.4f} {loss:10.4f} '
           f'{min_loss:9.4f}')
@@ -95,6 +101,14 @@ def main():
           [sys.executable, '-m', 'binaries.plot', *run_dirs,
            f'--metric={metric}', f'--output={args.plot_prefix}_{suffix}.png',
            f'--title=celeba_smile {metric}'], check=True, cwd=REPO)
+  if args.check_margin is not None:
+    failed = [name for name in final_auc if name.startswith('mixed') and
+              not final_auc[name] >= final_auc['fl_only'] + args.check_margin]
+    verdict = 'FAILED for ' + ', '.join(failed) if failed else 'passed'
+    print(f'check: every mixed eval/auc >= fl_only '
+          f'({final_auc["fl_only"]:.4f}) + {args.check_margin}: {verdict}')
+    if failed:
+      sys.exit(1)
 
 
 if __name__ == '__main__':

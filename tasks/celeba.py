@@ -154,11 +154,11 @@ def build_task(config: base.DataConfig) -> base.Task:
 
   server_dataset = None
   if mode == 'mixed':
-    raw_id_tensor = tf.constant(raw_train_ids)
-
     def server_batches(seed):
       # Fresh central batches each round: a seeded pass over the train
-      # clients' non-smiling images.
+      # clients' non-smiling images. (The ids become a constant of this
+      # computation's graph; an eager tensor cannot be captured.)
+      raw_id_tensor = tf.constant(raw_train_ids)
       examples = tf.data.Dataset.from_tensor_slices(raw_id_tensor).shuffle(
           len(raw_train_ids), seed=seed).flat_map(raw_examples).filter(
               lambda e: tf.logical_not(e[LABEL]))

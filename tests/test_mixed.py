@@ -69,7 +69,7 @@ def to_dataset(batch_list):
   xs = np.concatenate([b[0] for b in batch_list]).astype(np.float32)
   ys = np.concatenate([b[1] for b in batch_list]).astype(np.float32)
   return tf.data.Dataset.from_tensor_slices(
-      (xs, ys.reshape(-1, 1))).batch(len(batch_list[0][0]))
+      (xs, ys.reshape(-1, 1))).batch(max(1, len(batch_list[0][0])))
 
 
 # Client A has 3 examples in batches of 2 (K_A = 2), client B one example
@@ -300,6 +300,46 @@ def test_data_free_central_loss():
   np.testing.assert_allclose(model_theta(algorithm, state), expected,
                              rtol=1e-5)
   assert metrics['central']['num_steps'] == HP['K']
+
+
+# --- Mixed FL vs FL only, in miniature ---------------------------------------
+# Federated clients hold one label, the central data the other (the
+# celeba_smile story; experiments/celeba_mixed.py checks it on CelebA-format
+# data). FL only = the same process with no central data, i.e. FedAvg.
+
+POSITIVE_CENTER, NEGATIVE_CENTER = np.zeros(2), np.array([2.0, 2.0])
+
+
+def label_split_round(round_num):
+  rng = np.random.default_rng(100 + round_num)
+  clients = [[(rng.normal(size=(4, 2)) + POSITIVE_CENTER, np.ones(4))]
+             for _ in range(4)]
+  central = [(rng.normal(size=(8, 2)) + NEGATIVE_CENTER, np.zeros(8))]
+  return clients, central
+
+
+def accuracy_on_both_labels(theta):
+  rng = np.random.default_rng(7)
+  x = np.vstack([rng.normal(size=(100, 2)) + POSITIVE_CENTER,
+                 rng.normal(size=(100, 2)) + NEGATIVE_CENTER])
+  labels = np.r_[np.ones(100), np.zeros(100)]
+  scores = np.hstack([x, np.ones((200, 1))]) @ theta
+  return np.mean((scores > 0.5) == (labels == 1))
+
+
+def test_central_data_teaches_the_label_clients_lack(one_way_gt):
+  no_central_data = [(np.zeros((0, 2)), np.zeros(0))]
+  accuracy = {}
+  for name, with_central in (('fl_only', False), ('mixed', True)):
+    state = initial_state(one_way_gt)
+    for round_num in range(8):
+      clients, central = label_split_round(round_num)
+      state, _, _ = run_round(one_way_gt, state, clients,
+                              central if with_central else no_central_data)
+    accuracy[name] = accuracy_on_both_labels(model_theta(one_way_gt, state))
+  # FL only fits "always positive" (~0.5); mixed FL separates the labels.
+  assert accuracy['fl_only'] <= 0.6
+  assert accuracy['mixed'] >= accuracy['fl_only'] + 0.3, accuracy
 
 
 # --- Communication -----------------------------------------------------------------
