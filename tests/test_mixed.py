@@ -6,7 +6,6 @@ statements of papers/002 (Algorithms 1-2, eq. 7, eq. 10), independently of
 the TF code, on a linear model y = x.W + b with mean squared error.
 """
 
-import asyncio
 import collections
 import tempfile
 
@@ -332,13 +331,15 @@ def test_central_data_teaches_the_label_clients_lack(one_way_gt):
   accuracy = {}
   for name, with_central in (('fl_only', False), ('mixed', True)):
     state = initial_state(one_way_gt)
-    for round_num in range(8):
+    for round_num in range(5):
       clients, central = label_split_round(round_num)
       state, _, _ = run_round(one_way_gt, state, clients,
                               central if with_central else no_central_data)
     accuracy[name] = accuracy_on_both_labels(model_theta(one_way_gt, state))
-  # FL only fits "always positive" (~0.5); mixed FL separates the labels.
-  assert accuracy['fl_only'] <= 0.6
+  # FL only never sees a negative (it drifts towards "always positive",
+  # accuracy 0.5); mixed FL separates the labels (float64 replay of these
+  # rounds: 0.275 vs 0.695).
+  assert accuracy['fl_only'] <= 0.55
   assert accuracy['mixed'] >= accuracy['fl_only'] + 0.3, accuracy
 
 

@@ -13,12 +13,19 @@ Server state (an OrderedDict, checkpointed by the driver):
   merge_optimizer     MergeOpt state                     (PT, 2-w GT)
   gtilde_c, gtilde_f  augmenting gradients, start at 0   (2-w GT)
 ClientOpt and CentralOpt start fresh every round: the central model is a
-"meta-client" that, like the clients, takes K steps from x.
+"meta-client" that, like the clients, takes K steps from x. Non-trainable
+weights are not trained; the server keeps its own (as tff.learning's FedAvg).
+
+Metrics: `train/*` (the model's metrics on the clients' batches, summed over
+the cohort), `central/loss` (mean unweighted central loss of the round) and
+`central/num_steps`, `diagnostics/gtilde_squared` and
+`diagnostics/btilde_squared` with `mixed_diagnostics` (eq. 7), and
+`communication/bytes_{down,up}_per_client`.
 """
 
 import collections
 import functools
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
