@@ -1,5 +1,7 @@
 """Command-line flags shared by the binaries (names fixed by SPEC 7)."""
 
+from typing import Any, Callable, Optional, Union
+
 from absl import flags
 
 from pipeline import client_store
@@ -44,7 +46,9 @@ flags.DEFINE_boolean('download', False,
                      'Allow downloading a missing dataset into --cache_dir.')
 flags.DEFINE_string('celeba_mode', 'mixed',
                     'celeba_smile: mixed (federated smiling / central '
-                    'non-smiling) or federated (both labels on clients).')
+                    'non-smiling), fl_only (the federated smiling data alone), '
+                    'oracle (both labels on the composite clients) or '
+                    'federated (both labels on the raw clients).')
 # Task options of the re-partitioned tasks (emnist, digits, cifar10/100);
 # unset ones take each task's own default.
 flags.DEFINE_integer('num_clients', None,
@@ -76,6 +80,7 @@ flags.DEFINE_float('server_learning_rate', 1.0, 'Server learning rate eta_s.')
 flags.DEFINE_integer('central_batch_size', 500, 'Mixed FL: |B_c|.')
 flags.DEFINE_string('central_optimizer', 'sgd', 'Mixed FL: CentralOpt.')
 flags.DEFINE_float('central_learning_rate', 0.01, 'Mixed FL: eta_c.')
+flags.DEFINE_string('merge_optimizer', 'sgd', 'Mixed FL: MergeOpt.')
 flags.DEFINE_float('merge_learning_rate', 1.0, 'Mixed FL: eta_m.')
 flags.DEFINE_float('federated_weight', 0.5, 'Mixed FL: w_f.')
 flags.DEFINE_float('central_weight', 0.5, 'Mixed FL: w_c.')
@@ -103,13 +108,64 @@ flags.DEFINE_float('fedres_alpha', 1.0, 'FedResAvg: server step alpha.')
 ALGORITHM_FLAGS = (
     'client_optimizer', 'client_learning_rate', 'server_optimizer',
     'server_learning_rate', 'central_batch_size', 'central_optimizer',
-    'central_learning_rate', 'merge_learning_rate', 'federated_weight',
+    'central_learning_rate', 'merge_optimizer', 'merge_learning_rate',
+    'federated_weight',
     'central_weight', 'mixed_diagnostics', 'proximal_strength',
     'scaffold_option', 'pvr_last_layers', 'fedres_option',
     'local_learning_rate', 'fedres_alpha', 'pvr_start_variable',
     'drift_diversity', 'client_weighting')
 
 FLAGS = flags.FLAGS
+
+# Per-task defaults (the papers' settings), used for flags the user does not
+# set. A value is a constant or a function of the flags (read after the
+# constants are applied, in this order).
+TaskDefault = Union[Any, Callable[[flags.FlagValues], Any]]
+TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
+    # papers/002 Table C.2 (SPEC 5.2).
+    'celeba_smile': {
+        # S=100 on the real data; the synthetic stand-in has 20 clients.
+        'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
+        'client_batch_size': 5,
+        'client_steps': 2,
+        'client_learning_rate': 0.01,
+        'server_learning_rate': 1.0,
+        # |B_c| = K * S * |B_i| for 1-w GT's single central batch, S * |B_i|
+        # for each of the K central batches of PT and 2-w GT (Appendix C.2).
+        'central_batch_size': (
+            lambda f: 1000 if f.algorithm == 'mixed_1wgt' else 500),
+        # eta_c = eta * eta_s (Appendix C.2).
+        'central_learning_rate': (
+            lambda f: f.client_learning_rate * f.server_learning_rate),
+        'merge_learning_rate': 1.0,
+        'federated_weight': 0.5,
+        'central_weight': 0.5,
+    },
+}
+
+
+# A task default of the key is not applied when the user sets one of these.
+_ALTERNATIVE_FLAGS = {'client_steps': ('client_epochs',)}
+
+
+def apply_task_defaults(task: Optional[str],
+                        table: Optional[dict] = None) -> dict[str, Any]:
+  """Sets the task's defaults of flags not given on the command line.
+
+  Returns {flag: value} of the defaults applied (for hparams.json).
+  """
+  defaults = (TASK_DEFAULTS if table is None else table).get(task, {})
+  applied = {}
+  constants = [(n, v) for n, v in defaults.items() if not callable(v)]
+  functions = [(n, v) for n, v in defaults.items() if callable(v)]
+  for name, default in constants + functions:
+    user_set = (name,) + _ALTERNATIVE_FLAGS.get(name, ())
+    if any(FLAGS[flag].present for flag in user_set):
+      continue
+    value = default(FLAGS) if callable(default) else default
+    FLAGS[name].value = value
+    applied[name] = value
+  return applied
 
 
 def all_values() -> dict:
@@ -123,6 +179,8 @@ def data_config() -> task_base.DataConfig:
       client_steps=FLAGS.client_steps,
       client_epochs=FLAGS.client_epochs,
       central_batch_size=FLAGS.central_batch_size,
+      # K batches a round: PT and 2-w GT take all, 1-w GT the first only
+      # (the stream is lazy, so the others are never built).
       central_steps=FLAGS.client_steps or 1,
       eval_batch_size=FLAGS.eval_batch_size,
       seed=FLAGS.seed,
@@ -144,8 +202,9 @@ def _task_options() -> dict:
   return options
 
 
-def apply_task_defaults(task: task_base.Task) -> None:
-  """Flags whose default depends on the task, unless given explicitly.
+def apply_built_task_defaults(task: task_base.Task) -> None:
+  """Flags whose default depends on the built task (e.g. full participation
+  over the task's population), unless given explicitly.
 
   The resolved value is what hparams.json records, so evaluate/export and a
   resumed run see the same value.
@@ -155,7 +214,10 @@ def apply_task_defaults(task: task_base.Task) -> None:
     FLAGS.clients_per_round = task.default_clients_per_round
 
 
-def algorithm_config(num_train_clients: int) -> algo_config.AlgorithmConfig:
+def algorithm_config(num_train_clients: int,
+                     central_loss_fn: Optional[Callable] = None
+                     ) -> algo_config.AlgorithmConfig:
+  """The algorithm's hyperparameters; `central_loss_fn` comes from the task."""
   if FLAGS['pvr_last_layers'].present and FLAGS.pvr_start_variable is not None:
     raise UsageError('--pvr_last_layers and --pvr_start_variable choose the '
                      'same mask; pass one of them')
@@ -171,4 +233,14 @@ def algorithm_config(num_train_clients: int) -> algo_config.AlgorithmConfig:
       scaffold_option=FLAGS.scaffold_option,
       pvr_last_layers=FLAGS.pvr_last_layers,
       pvr_start_variable=FLAGS.pvr_start_variable,
-      drift_diversity=FLAGS.drift_diversity)
+      drift_diversity=FLAGS.drift_diversity,
+
+      central_optimizer=FLAGS.central_optimizer,
+      central_learning_rate=FLAGS.central_learning_rate,
+      merge_optimizer=FLAGS.merge_optimizer,
+      merge_learning_rate=FLAGS.merge_learning_rate,
+      federated_weight=FLAGS.federated_weight,
+      central_weight=FLAGS.central_weight,
+      mixed_diagnostics=FLAGS.mixed_diagnostics,
+      central_steps=FLAGS.client_steps,
+      central_loss_fn=central_loss_fn)

@@ -84,6 +84,11 @@ class Task:
   # Clients per round when --clients_per_round is not given (e.g. full
   # participation for CIFAR); None keeps the flag's default.
   default_clients_per_round: Optional[int] = None
+  # A centralized loss without data (mixed FL), e.g. a regularizer of the
+  # embedding table: trainable ModelWeights (variables) -> scalar. Used
+  # instead of server data when set.
+  central_loss_fn: Optional[
+      Callable[[tff.learning.models.ModelWeights], tf.Tensor]] = None
 
   @property
   def num_train_clients(self) -> int:

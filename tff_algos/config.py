@@ -1,7 +1,7 @@
 """Hyperparameters of every algorithm, filled from the command line."""
 
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional
 
 # How server means weight clients: by examples processed (SPEC 5) or equally.
 CLIENT_WEIGHTINGS = ('num_examples', 'uniform')
@@ -26,3 +26,16 @@ class AlgorithmConfig:
   # When set, FedPVR masks trainable variables from this index on instead.
   pvr_start_variable: Optional[int] = None
   drift_diversity: bool = False
+  # Mixed FL (SPEC 5.2).
+  central_optimizer: str = 'sgd'
+  central_learning_rate: float = 0.01
+  merge_optimizer: str = 'sgd'
+  merge_learning_rate: float = 1.0
+  federated_weight: float = 0.5
+  central_weight: float = 0.5
+  mixed_diagnostics: bool = False
+  # K central steps per round (PT, 2-w GT); None when K is not set.
+  central_steps: Optional[int] = None
+  # A data-free centralized loss supplied by the task (model weights ->
+  # scalar), e.g. an embedding regularizer; None: the loss on server batches.
+  central_loss_fn: Optional[Callable[[Any], Any]] = None

@@ -26,6 +26,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import tensorflow_federated as tff
 
+from pipeline.errors import UsageError
+
 ModelWeights = tff.learning.models.ModelWeights
 
 # Type of the per-client input of a by-id process (without the state field).
@@ -75,7 +77,9 @@ def compose_by_id(
     fields.append(('state', client_state_type))
   client_input_type = tff.FederatedType(tff.StructType(fields), tff.CLIENTS)
   if algorithm.uses_server_data and server_dataset_computation is None:
-    raise ValueError(f'{algorithm.name} needs server data; this task has none')
+    raise UsageError(
+        f'--algorithm={algorithm.name} needs central (server) data or a '
+        'data-free central loss; the task, with these flags, has neither')
 
   @tff.federated_computation(state_type, client_input_type,
                              tff.FederatedType(np.int64, tff.SERVER))

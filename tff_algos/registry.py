@@ -6,6 +6,7 @@ from pipeline.errors import UsageError
 from tff_algos import baselines
 from tff_algos import contract
 from tff_algos import scaffold_tff
+from tff_algos import mixed_tff
 from tff_algos.config import AlgorithmConfig
 
 Builder = Callable[[Callable, AlgorithmConfig], contract.FederatedAlgorithm]
@@ -16,6 +17,9 @@ _BUILDERS: dict[str, Builder] = {
     'fedsgd': baselines.build_fedsgd,
     'scaffold': scaffold_tff.build_scaffold,
     'fedpvr': scaffold_tff.build_fedpvr,
+    'mixed_pt': mixed_tff.build_mixed_pt,
+    'mixed_1wgt': mixed_tff.build_mixed_1wgt,
+    'mixed_2wgt': mixed_tff.build_mixed_2wgt,
 }
 NAMES = tuple(_BUILDERS)
 # Every algorithm named by SPEC 7; those not in _BUILDERS are not built yet.
