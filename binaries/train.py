@@ -45,7 +45,7 @@ def main(argv):
   config.validate(task.num_train_clients)
   algorithm = algorithm_registry.build_algorithm(
       FLAGS.algorithm, task.model_fn,
-      flags_lib.algorithm_config(task.num_train_clients))
+      flags_lib.algorithm_config(task.num_train_clients), task=task)
   app.check_flags_apply(FLAGS.algorithm, algorithm.flag_names,
                         flags_lib.ALGORITHM_FLAGS)
   result = driver.train(algorithm, task, config, flags_lib.all_values())

@@ -5,9 +5,14 @@ from typing import Callable
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import celeba
+from tasks import fedres_synthetic
+from tasks import movielens_ratings
 
 _BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
     'celeba_smile': celeba.build_task,
+    'fedres_toy': fedres_synthetic.build_toy_task,
+    'fedres_logistic': fedres_synthetic.build_logistic_task,
+    'movielens_ratings': movielens_ratings.build_task,
 }
 NAMES = tuple(_BUILDERS)
 
