@@ -71,9 +71,10 @@ class PersonalEvalData:
   client_ids: tuple[str, ...]
   # client id -> batches (model input, label) of its held-out examples.
   test_dataset_fn: Callable[[str], tf.data.Dataset]
-  # client id -> K training batches of the client (seeded), to fit a
-  # personal model for a client that never trained one.
-  train_dataset_fn: Callable[[str], tf.data.Dataset]
+  # (client id, shuffle seed) -> the client's training batches, as the
+  # client dataset computation makes them; e.g. to fit a personal model for
+  # a client that never trained one.
+  train_dataset_fn: Callable[[str, int], tf.data.Dataset]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,8 +95,8 @@ def build_task(name: str, config: base.DataConfig, train: ClientArrays,
       client_ids=test.client_ids,
       test_dataset_fn=lambda client_id: test.dataset(client_id).batch(
           config.eval_batch_size).map(to_batch),
-      train_dataset_fn=lambda client_id: base.client_batches(
-          train.dataset(client_id), config, config.seed).map(to_batch))
+      train_dataset_fn=lambda client_id, seed: base.client_batches(
+          train.dataset(client_id), config, seed).map(to_batch))
   return base.Task(
       name=name,
       train_client_ids=train.client_ids,

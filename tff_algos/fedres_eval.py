@@ -27,13 +27,14 @@ class PersonalizedEvaluator:
 
   def __init__(self, spec: residual.ResidualModelSpec,
                data: base.PersonalEvalData, local_learning_rate: float,
-               fit_unseen: bool):
+               fit_unseen: bool, seed: int = 0):
     self._model = fedres_tf.ResidualModel(spec)
     self._loss = tf.keras.metrics.Mean(name='loss')
     self._metrics = spec.metrics_fn()
     self._data = data
     self._local_learning_rate = local_learning_rate
     self._fit_unseen = fit_unseen
+    self._seed = seed
 
   def __call__(self, global_weights: Sequence[np.ndarray], store,
                local_weights_of: Callable[[Any], Sequence[np.ndarray]]
@@ -60,7 +61,7 @@ class PersonalizedEvaluator:
           num_unseen += 1
           if self._fit_unseen:
             fedres_tf.fit_local_model(
-                model, self._data.train_dataset_fn(client_id),
+                model, self._data.train_dataset_fn(client_id, self._seed),
                 self._local_learning_rate)
         fedres_tf.accumulate_metrics(
             model, self._data.test_dataset_fn(client_id), self._loss,

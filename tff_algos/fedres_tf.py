@@ -76,24 +76,33 @@ def _zero_stats():
   return (tf.constant(0.0), tf.constant(0, tf.int64), tf.constant(0, tf.int64))
 
 
+def _add_batch(stats, loss, batch):
+  loss_sum, num_examples, num_steps = stats
+  n = num_examples_in(batch)
+  return (loss_sum + loss * tf.cast(n, tf.float32), num_examples + n,
+          num_steps + 1)
+
+
+# The loops below are Python `for` loops over the dataset inside the calling
+# tf.function (AutoGraph turns them into one while loop). `dataset.reduce`
+# would re-instantiate and re-optimize its step function on every call, which
+# dominates the cost of a round on small models.
+
+
 def _local_steps(model: ResidualModel, dataset: tf.data.Dataset,
                  local_learning_rate: float):
   """Step 1 of FedResSGD/FedResAvg: theta <- theta - lambda grad_theta l(w, theta)
   once per batch, w fixed. Returns the pass's (loss sum, examples, steps),
   losses taken before each step."""
-
-  def step(stats, batch):
-    loss_sum, num_examples, num_steps = stats
+  stats = _zero_stats()
+  for batch in dataset:
     with tf.GradientTape() as tape:
       loss = model.batch_loss(batch)
     gradients = _dense_gradients(tape, loss, model.local_weights)
     for variable, gradient in zip(model.local_weights, gradients):
       variable.assign_sub(local_learning_rate * gradient)
-    n = num_examples_in(batch)
-    return (loss_sum + loss * tf.cast(n, tf.float32), num_examples + n,
-            num_steps + 1)
-
-  return dataset.reduce(_zero_stats(), step)
+    stats = _add_batch(stats, loss, batch)
+  return stats
 
 
 def _joint_steps(model: ResidualModel, dataset: tf.data.Dataset,
@@ -104,41 +113,35 @@ def _joint_steps(model: ResidualModel, dataset: tf.data.Dataset,
   the two updates simultaneous -- so theta chases the temporary w_i that the
   server's averaging later overwrites.
   """
-
-  def step(stats, batch):
-    loss_sum, num_examples, num_steps = stats
+  stats = _zero_stats()
+  num_global = len(model.global_weights)
+  for batch in dataset:
     variables = model.global_weights + model.local_weights
     with tf.GradientTape() as tape:
       loss = model.batch_loss(batch)
     gradients = _dense_gradients(tape, loss, variables)
-    num_global = len(model.global_weights)
     for i, (variable, gradient) in enumerate(zip(variables, gradients)):
       rate = learning_rate if i < num_global else local_learning_rate
       variable.assign_sub(rate * gradient)
-    n = num_examples_in(batch)
-    return (loss_sum + loss * tf.cast(n, tf.float32), num_examples + n,
-            num_steps + 1)
-
-  return dataset.reduce(_zero_stats(), step)
+    stats = _add_batch(stats, loss, batch)
+  return stats
 
 
 def _large_batch_gradient(model: ResidualModel, dataset: tf.data.Dataset):
   """grad_w of the average loss over one pass (K mini-batches = one batch K
   times larger), at the model's current (w, theta). Returns (gradient, K)."""
-
-  def step(state, batch):
-    weighted_sums, num_examples, num_steps = state
+  weighted_sums = tuple(tf.zeros_like(v) for v in model.global_weights)
+  num_examples = tf.constant(0, tf.int64)
+  num_steps = tf.constant(0, tf.int64)
+  for batch in dataset:
     with tf.GradientTape() as tape:
       loss = model.batch_loss(batch)
     gradients = _dense_gradients(tape, loss, model.global_weights)
     n = num_examples_in(batch)
     weighted_sums = tuple(s + tf.cast(n, tf.float32) * g
                           for s, g in zip(weighted_sums, gradients))
-    return weighted_sums, num_examples + n, num_steps + 1
-
-  initial = (tuple(tf.zeros_like(v) for v in model.global_weights),
-             tf.constant(0, tf.int64), tf.constant(0, tf.int64))
-  weighted_sums, num_examples, num_steps = dataset.reduce(initial, step)
+    num_examples += n
+    num_steps += 1
   denominator = tf.cast(tf.maximum(num_examples, 1), tf.float32)
   return [s / denominator for s in weighted_sums], num_steps
 
@@ -149,9 +152,9 @@ def _corrected_global_steps(model: ResidualModel, dataset: tf.data.Dataset,
   """Step 2 of FedResAvg: w_i <- w_i - eta (g - c_i + c) once per batch with
   g = grad_w l(w_i, theta), theta fixed; `correction` is c - c_i (None: zero,
   Option I). Returns (sum of the g's, K)."""
-
-  def step(state, batch):
-    gradient_sums, num_steps = state
+  gradient_sums = tuple(tf.zeros_like(v) for v in model.global_weights)
+  num_steps = tf.constant(0, tf.int64)
+  for batch in dataset:
     with tf.GradientTape() as tape:
       loss = model.batch_loss(batch)
     gradients = _dense_gradients(tape, loss, model.global_weights)
@@ -159,12 +162,8 @@ def _corrected_global_steps(model: ResidualModel, dataset: tf.data.Dataset,
         g + c for g, c in zip(gradients, correction)]
     for variable, direction in zip(model.global_weights, directions):
       variable.assign_sub(learning_rate * direction)
-    return (tuple(s + g for s, g in zip(gradient_sums, gradients)),
-            num_steps + 1)
-
-  initial = (tuple(tf.zeros_like(v) for v in model.global_weights),
-             tf.constant(0, tf.int64))
-  gradient_sums, num_steps = dataset.reduce(initial, step)
+    gradient_sums = tuple(s + g for s, g in zip(gradient_sums, gradients))
+    num_steps += 1
   return list(gradient_sums), num_steps
 
 
