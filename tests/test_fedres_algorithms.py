@@ -13,7 +13,6 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 import fedres_testing as ft
-from tff_algos import baselines
 from tff_algos import fedres_native
 from tff_algos import registry
 from tff_algos.config import AlgorithmConfig
@@ -187,28 +186,3 @@ def test_in_process_rounds_match_tff_process(algorithms, task, key):
       (state, client_states), (native_state, native_client_states))
   np.testing.assert_allclose(metrics['train']['loss'],
                              native_metrics['train']['loss'], **TOLERANCE)
-
-
-def test_avg_option1_without_local_learning_is_fedavg(task):
-  # lambda = 0 keeps theta at its zero start, so FedResAvg-I is FedAvg on the
-  # global model (SGD on clients, server step alpha). Clients have equal size,
-  # so FedAvg's example weighting equals FedRes's uniform mean.
-  config = _config(option=1, local_learning_rate=0.0)
-  fedres = registry.build_algorithm('fedres_avg', task.model_fn, config,
-                                    task=task)
-  fedavg = baselines.build_fedavg(task.model_fn, AlgorithmConfig(
-      client_learning_rate=ETA, server_learning_rate=ALPHA))
-  weights = ModelWeights(trainable=ft.model_weights(P0), non_trainable=[])
-  datasets = [ft.unshuffled_batches(*DATA['0']),
-              ft.unshuffled_batches(DATA['1'][0][:4], DATA['1'][1][:4])]
-  fedres_state, _, _ = fedres.process.next(
-      fedres.set_model_weights(fedres.process.initialize(), weights),
-      [collections.OrderedDict(data=d, state=fedres.client_state_fn())
-       for d in datasets])
-  fedavg_state, _, _ = fedavg.process.next(
-      fedavg.set_model_weights(fedavg.process.initialize(), weights), datasets)
-  np.testing.assert_allclose(
-      _flat(fedres.get_model_weights(fedres_state).trainable),
-      _flat(fedavg.get_model_weights(fedavg_state).trainable), **TOLERANCE)
-  assert np.abs(_flat(fedres.get_model_weights(fedres_state).trainable) -
-                P0).max() > 1e-3

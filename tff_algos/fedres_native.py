@@ -21,11 +21,13 @@ from tff_algos.config import AlgorithmConfig
 
 
 def _without_static_optimizations() -> tf.data.Options:
-  # tf.data rewrites a pipeline each time an iterator is made, i.e. twice per
-  # client per round here; on tiny models that costs more than the training.
-  # The rewrites do not change which elements come out.
+  # tf.data rewrites a pipeline (and starts autotuning threads) each time an
+  # iterator is made, i.e. twice per client per round here; on tiny models
+  # that costs more than the training. Neither changes which elements come
+  # out.
   options = tf.data.Options()
   options.experimental_optimization.apply_default_optimizations = False
+  options.autotune.enabled = False
   return options
 
 
