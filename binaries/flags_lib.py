@@ -44,6 +44,11 @@ flags.DEFINE_string('cache_dir', None, 'Directory of TFF dataset files.')
 flags.DEFINE_string('data_dir', None, 'TFDS data directory.')
 flags.DEFINE_boolean('download', False,
                      'Allow downloading a missing dataset into --cache_dir.')
+flags.DEFINE_string('movielens_dir', None,
+                    'Directory of MovieLens files (ML-100K u.data/u.item).')
+flags.DEFINE_float('heterogeneity', 1.0,
+                   'fedres_logistic: alpha of papers/000 eq. 13 in [0, 1]; 0 '
+                   'gives every client the same distribution.')
 flags.DEFINE_string('celeba_mode', 'mixed',
                     'celeba_smile: mixed (federated smiling / central '
                     'non-smiling), fl_only (the federated smiling data alone), '
@@ -103,6 +108,9 @@ flags.DEFINE_enum('client_weighting', 'num_examples',
 flags.DEFINE_integer('fedres_option', 2, 'FedResAvg: option I or II.')
 flags.DEFINE_float('local_learning_rate', 0.01, 'FedRes: lambda.')
 flags.DEFINE_float('fedres_alpha', 1.0, 'FedResAvg: server step alpha.')
+flags.DEFINE_boolean('fedres_fit_unseen', False,
+                     'FedRes personalized eval: fit a never-sampled client\'s '
+                     'local model for K steps on its train data.')
 
 # Flags that only some algorithms use; each algorithm lists those it accepts.
 ALGORITHM_FLAGS = (
@@ -113,7 +121,7 @@ ALGORITHM_FLAGS = (
     'central_weight', 'mixed_diagnostics', 'proximal_strength',
     'scaffold_option', 'pvr_last_layers', 'fedres_option',
     'local_learning_rate', 'fedres_alpha', 'pvr_start_variable',
-    'drift_diversity', 'client_weighting')
+    'drift_diversity', 'client_weighting', 'fedres_fit_unseen')
 
 FLAGS = flags.FLAGS
 
@@ -194,6 +202,8 @@ def data_config() -> task_base.DataConfig:
 def _task_options() -> dict:
   """Task options; those left unset take each task's own default."""
   options = {'celeba_mode': FLAGS.celeba_mode,
+             'movielens_dir': FLAGS.movielens_dir,
+             'heterogeneity': FLAGS.heterogeneity,
              'model_width': FLAGS.model_width,
              'emnist_only_digits': FLAGS.emnist_only_digits}
   for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha'):
@@ -227,6 +237,10 @@ def algorithm_config(num_train_clients: int,
       server_optimizer=FLAGS.server_optimizer,
       server_learning_rate=FLAGS.server_learning_rate,
       proximal_strength=FLAGS.proximal_strength,
+      fedres_option=FLAGS.fedres_option,
+      local_learning_rate=FLAGS.local_learning_rate,
+      fedres_alpha=FLAGS.fedres_alpha,
+      fedres_fit_unseen=FLAGS.fedres_fit_unseen,
       num_train_clients=num_train_clients,
       clients_per_round=FLAGS.clients_per_round,
       client_weighting=FLAGS.client_weighting,

@@ -48,7 +48,7 @@ def main(argv):
   algorithm = algorithm_registry.build_algorithm(
       FLAGS.algorithm, task.model_fn,
       flags_lib.algorithm_config(task.num_train_clients,
-                                 task.central_loss_fn))
+                                 task.central_loss_fn), task=task)
   app.check_flags_apply(FLAGS.algorithm, algorithm.flag_names,
                         flags_lib.ALGORITHM_FLAGS)
   hparams = flags_lib.all_values()

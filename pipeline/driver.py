@@ -223,6 +223,10 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
           evaluator = evaluation.Evaluator(task)
         eval_started = time.perf_counter()
         row.update(evaluator(algorithm.get_model_weights(server_state)))
+        if algorithm.personalization is not None:
+          row.update(evaluation.flatten_metrics(
+              algorithm.personalization.evaluate(server_state, store),
+              'eval_personalized/'))
         row['eval_seconds'] = time.perf_counter() - eval_started
       asyncio.run(csv_metrics.release(row, round_num))
       asyncio.run(tensorboard.release(row, round_num))
@@ -237,11 +241,14 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
         tqdm.tqdm.write(f'round {round_num}: ' + ', '.join(
             f'{k}={v:.4g}' for k, v in row.items()
             if k in ('train/loss',) or k.startswith('eval')))
+    weights = algorithm.get_model_weights(server_state)
+    if config.export:
+      export_dir = export_lib.export_saved_model(
+          task, weights, os.path.join(run_dir, 'export'))
+      if algorithm.personalization is not None:
+        algorithm.personalization.export(server_state, store, export_dir)
   finally:
     progress.close()
     if store:
       store.close()
-  weights = algorithm.get_model_weights(server_state)
-  if config.export:
-    export_lib.export_saved_model(task, weights, os.path.join(run_dir, 'export'))
   return TrainResult(config.total_rounds, server_state, weights, row)

@@ -13,6 +13,11 @@ updated client state (an empty struct when there is none); `server_data` is a
 dataset of central batches (mixed FL). `metrics` is a structure whose top-level
 keys become metric-name prefixes (`train/loss`, ...).
 
+An algorithm whose client states hold personal models (FedRes theta_i) also
+gives `Personalization` hooks: the driver reports their evaluation beside the
+global-only one (`eval_personalized/<metric>`) and calls their export after
+writing the global model.
+
 `compose_by_id` turns that into what the driver runs: clients are passed by
 id (plus a per-round shuffle seed and their stored state) and every dataset is
 built inside the TFF computation (SPEC 4.4), so no dataset is serialized from
@@ -21,7 +26,7 @@ Python each round.
 
 import collections
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import tensorflow_federated as tff
@@ -32,6 +37,20 @@ ModelWeights = tff.learning.models.ModelWeights
 
 # Type of the per-client input of a by-id process (without the state field).
 CLIENT_ID_FIELDS = (('id', np.str_), ('seed', np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Personalization:
+  """Evaluation and export of the personal models kept in client states.
+
+  Both receive the Python server state and the driver's client-state store
+  (`pipeline.client_store.ClientStateStore`), which they must only read.
+  """
+  # (server_state, store) -> {metric name: value}.
+  evaluate: Callable[[Any, Any], Mapping[str, float]]
+  # (server_state, store, export_dir): writes the personal models (and how to
+  # serve them) into the export directory of the global model.
+  export: Callable[[Any, Any, str], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +66,8 @@ class FederatedAlgorithm:
   uses_server_data: bool = False
   # Algorithm-specific flags that apply (validated by the binaries).
   flag_names: tuple[str, ...] = ()
+  # Set when client states hold personal models (needs client state).
+  personalization: Optional[Personalization] = None
 
   @property
   def has_client_state(self) -> bool:
