@@ -82,9 +82,8 @@ def client_weighting(name: str) -> tff.learning.ClientWeighting:
           'uniform': tff.learning.ClientWeighting.UNIFORM}[name]
 
 
-def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
-  process = tff.learning.algorithms.build_weighted_fed_avg(
-      model_fn,
+def _client_and_server_optimizers(config: AlgorithmConfig) -> dict:
+  return dict(
       client_weighting=client_weighting(config.client_weighting),
       client_optimizer_fn=optimizers.build(
           config.client_optimizer, config.client_learning_rate,
@@ -92,21 +91,19 @@ def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
       server_optimizer_fn=optimizers.build(
           config.server_optimizer, config.server_learning_rate,
           'server_optimizer'))
+
+
+def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
+  process = tff.learning.algorithms.build_weighted_fed_avg(
+      model_fn, **_client_and_server_optimizers(config))
   return adapt_learning_process('fedavg', process, _CLIENT_FLAGS + _SERVER_FLAGS,
                                 model_fn)
 
 
 def build_fedprox(model_fn: Callable, config: AlgorithmConfig):
   process = tff.learning.algorithms.build_weighted_fed_prox(
-      model_fn,
-      proximal_strength=config.proximal_strength,
-      client_weighting=client_weighting(config.client_weighting),
-      client_optimizer_fn=optimizers.build(
-          config.client_optimizer, config.client_learning_rate,
-          'client_optimizer'),
-      server_optimizer_fn=optimizers.build(
-          config.server_optimizer, config.server_learning_rate,
-          'server_optimizer'))
+      model_fn, proximal_strength=config.proximal_strength,
+      **_client_and_server_optimizers(config))
   return adapt_learning_process(
       'fedprox', process,
       _CLIENT_FLAGS + _SERVER_FLAGS + ('proximal_strength',), model_fn)
