@@ -132,6 +132,8 @@ class Reference:
   server_cv: list
   client_cvs: dict
   train_losses: list
+  # Per round: sum_i ||m_i||^2 / ||sum_i m_i||^2, m_i = y_i - x (one layer).
+  drift_diversity: list
 
 
 def reference_run(mask, option, weighting, rounds=ROUNDS,
@@ -147,6 +149,7 @@ def reference_run(mask, option, weighting, rounds=ROUNDS,
   c = zeros()
   client_cvs = {}
   train_losses = []
+  drift_diversity = []
   for round_num in range(1, rounds + 1):
     if zero_control_variates:
       c, client_cvs = zeros(), {}
@@ -181,6 +184,10 @@ def reference_run(mask, option, weighting, rounds=ROUNDS,
       cv_updates.append([n - o for n, o in zip(new_ci, c_i)])
       client_weights.append(len(xs) if weighting == 'num_examples' else 1.0)
       new_cvs[k] = new_ci
+    flat_updates = [np.concatenate([u.ravel() for u in update])
+                    for update in updates]
+    drift_diversity.append(sum(np.sum(m**2) for m in flat_updates) /
+                           np.sum(sum(flat_updates)**2))
     p = np.array(client_weights) / np.sum(client_weights)
     x = [x[j] + SERVER_LR * sum(pi * u[j] for pi, u in zip(p, updates))
          for j in range(2)]
@@ -189,7 +196,7 @@ def reference_run(mask, option, weighting, rounds=ROUNDS,
          for m in range(len(masked))]
     client_cvs.update(new_cvs)
     train_losses.append(loss_sum / examples)
-  return Reference(x, c, client_cvs, train_losses)
+  return Reference(x, c, client_cvs, train_losses, drift_diversity)
 
 
 # ----------------------------------------------------------------------------
@@ -199,13 +206,20 @@ def reference_run(mask, option, weighting, rounds=ROUNDS,
 @dataclasses.dataclass
 class Run:
   result: driver.TrainResult
-  train_losses: list
+  # metrics.csv: column name -> values of the rounds that have it.
+  columns: dict
   client_cvs: dict
 
+  @property
+  def train_losses(self):
+    return self.columns['train/loss']
 
-def _train_losses(run_dir):
+
+def _read_columns(run_dir):
   with open(os.path.join(run_dir, 'metrics.csv')) as f:
-    return [float(row['train/loss']) for row in csv.DictReader(f)]
+    rows = list(csv.DictReader(f))
+  return {name: [float(r[name]) for r in rows if r.get(name)]
+          for name in rows[0]}
 
 
 def make_runner(task: base.Task, root: str):
@@ -243,7 +257,7 @@ def make_runner(task: base.Task, root: str):
       client_cvs = dict(zip(range(NUM_CLIENTS), (
           s['control_variate'] for s in store.read(ids))))
       store.close()
-    runs[name] = Run(result, _train_losses(run_config.run_dir), client_cvs)
+    runs[name] = Run(result, _read_columns(run_config.run_dir), client_cvs)
     return runs[name]
 
   return run

@@ -56,7 +56,8 @@ def test_scaffold_option1_uniform_matches_hand_computation(run):
 def test_fedpvr_partial_mask_matches_hand_computation(run):
   # Control variates on the bias only (trainable variable 1 of 2): the kernel
   # takes plain SGD steps, the bias SCAFFOLD's corrected steps.
-  result = run('fedpvr_bias', 'fedpvr', pvr_start_variable=1)
+  result = run('fedpvr_bias', 'fedpvr', pvr_start_variable=1,
+               drift_diversity=True)
   reference = lib.reference_run((False, True), option=2,
                                 weighting='num_examples')
   lib.assert_close_to_reference(result, reference)
@@ -65,6 +66,23 @@ def test_fedpvr_partial_mask_matches_hand_computation(run):
   for other_mask in ((True, True), (False, False)):
     other = lib.reference_run(other_mask, option=2, weighting='num_examples')
     assert not np.allclose(reference.weights[0], other.weights[0], rtol=1e-4)
+
+
+def test_fedpvr_drift_diversity_and_communication_metrics(run):
+  result = run('fedpvr_bias', 'fedpvr', pvr_start_variable=1,
+               drift_diversity=True)
+  reference = lib.reference_run((False, True), option=2,
+                                weighting='num_examples')
+  # The linear model is one layer (kernel and bias).
+  np.testing.assert_allclose(result.columns['drift_diversity/layer_0'],
+                             reference.drift_diversity, rtol=1e-5)
+  # d = 3 model floats, v = 1 masked: each client receives x and c and sends
+  # y - x and c_i+ - c_i, (2d + 2v) / d = 8/3 model copies, 4 bytes each.
+  np.testing.assert_allclose(
+      result.columns['communication/model_copies_per_client'], 8 / 3)
+  np.testing.assert_allclose(
+      result.columns['communication/bytes_clients_to_server'],
+      lib.CLIENTS_PER_ROUND * 4 * 4)
 
 
 # Masks and drift diversity (no TFF).

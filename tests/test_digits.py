@@ -1,0 +1,89 @@
+"""The digits task: scikit-learn's bundled 8x8 digits split with s% similarity."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pipeline.errors import UsageError
+from tasks import base
+from tasks import digits
+from tasks import registry
+
+
+def _config(**options):
+  return base.DataConfig(client_batch_size=3, client_steps=4, seed=0,
+                         options=options)
+
+
+def test_real_data_is_sklearn_digits_with_a_fixed_split():
+  arrays = digits.load_arrays(use_synthetic_data=False)
+  assert arrays.images.shape == (1797, 8, 8)
+  assert arrays.images.min() == 0 and arrays.images.max() == 16
+  assert set(np.unique(arrays.labels)) == set(range(10))
+  train, test = digits.train_test_split(arrays, digits.NUM_TEST_IMAGES)
+  assert len(train.labels) == 1500 and len(test.labels) == 297
+  # Stratified: every class keeps roughly its share in test.
+  assert np.bincount(test.labels, minlength=10).min() >= 25
+  again_train, _ = digits.train_test_split(arrays, digits.NUM_TEST_IMAGES)
+  np.testing.assert_array_equal(train.labels, again_train.labels)
+
+
+def test_synthetic_data_has_the_real_element_structure():
+  real = digits.load_arrays(False)
+  fake = digits.load_arrays(True)
+  assert fake.images.shape[1:] == real.images.shape[1:]
+  assert fake.images.dtype == real.images.dtype
+  assert fake.labels.dtype == real.labels.dtype
+  assert fake.images.min() >= 0 and fake.images.max() <= 16
+  assert set(np.unique(fake.labels)) == set(range(10))
+
+
+def test_task_defaults_and_client_data():
+  task = registry.build_task('digits', _config())
+  assert task.num_train_clients == digits.DEFAULT_NUM_CLIENTS
+  # Client 7's data, built by the task's TFF computation: K = 4 batches of 3
+  # from its 15 images; similarity 0 gives one or two labels per client.
+  batches = [(np.asarray(x), np.asarray(y))
+             for x, y in task.client_dataset_computation('0007', 123)]
+  assert len(batches) == 4
+  features, _ = batches[0]
+  assert features.shape == (3, 64) and features.dtype == np.float32
+  assert 0.0 <= features.min() and features.max() <= 1.0
+  assert len(np.unique(np.concatenate([b[1] for b in batches]))) <= 2
+  model = task.keras_model_fn()
+  assert [v.shape for v in model.trainable_variables] == [(64, 10), (10,)]
+  eval_sets = task.eval_datasets_fn()
+  assert sorted(eval_sets) == ['', 'train']
+  assert sum(len(y) for _, y in eval_sets['']) == 297
+  assert sum(len(y) for _, y in eval_sets['train']) == 1500
+
+
+def test_options_choose_model_population_and_similarity():
+  task = registry.build_task('digits', _config(
+      model='mlp', num_clients=30, similarity=100.0))
+  assert task.num_train_clients == 30
+  model = task.keras_model_fn()
+  assert [v.shape for v in model.trainable_variables] == [
+      (64, digits.MLP_HIDDEN_UNITS), (digits.MLP_HIDDEN_UNITS,),
+      (digits.MLP_HIDDEN_UNITS, 10), (10,)]
+  logits = model(tf.zeros([2, 64]))
+  assert logits.shape == (2, 10)
+
+
+@pytest.mark.parametrize('options,flag', [
+    (dict(model='resnet'), '--model'),
+    (dict(similarity=101.0), '--similarity'),
+    (dict(similarity=-5.0), '--similarity'),
+    (dict(num_clients=0), '--num_clients'),
+    (dict(num_clients=1501), '--num_clients'),
+])
+def test_bad_options_name_the_flag(options, flag):
+  with pytest.raises(UsageError, match=flag):
+    registry.build_task('digits', _config(**options))
+
+
+def test_serving_preprocess_takes_raw_images():
+  images = tf.constant(np.full((2, 8, 8), 16.0, np.float32))
+  features = digits.to_model_input(images)
+  assert features.shape == (2, 64)
+  np.testing.assert_allclose(features.numpy(), 1.0)
