@@ -17,16 +17,18 @@ from pipeline.errors import UsageError
 EXIT_USAGE = 2
 
 
-def run(main) -> None:
+def run(main, allow_positional_args: bool = False) -> None:
   tff_runtime.install_shutdown_hooks()
 
   def guarded_main(argv):
-    if len(argv) > 1:
+    if len(argv) > 1 and not allow_positional_args:
       raise UsageError(f'unexpected positional arguments: {argv[1:]}')
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)
-      import tensorflow as tf  # pylint: disable=g-import-not-at-top
-      tf.get_logger().setLevel('WARNING')
+      # Only binaries that use TF have imported it; others (plot) stay light.
+      tf = sys.modules.get('tensorflow')
+      if tf is not None:
+        tf.get_logger().setLevel('WARNING')
     try:
       return main(argv)
     except UsageError as e:

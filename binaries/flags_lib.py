@@ -1,8 +1,11 @@
 """Command-line flags shared by the binaries (names fixed by SPEC 7)."""
 
+from typing import Any, Callable, Optional, Union
+
 from absl import flags
 
 from pipeline import client_store
+from pipeline.errors import UsageError
 from tasks import base as task_base
 from tff_algos import config as algo_config
 
@@ -20,8 +23,10 @@ flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
 flags.DEFINE_integer('seed', 0, 'Seed of initialization, sampling and data.')
-flags.DEFINE_enum('client_state_store', 'memory', list(client_store.BACKENDS),
-                  'Where per-client state lives.')
+flags.DEFINE_enum('client_state_store', 'auto',
+                  ['auto'] + list(client_store.BACKENDS),
+                  'Where per-client state lives (auto: sqlite from '
+                  f'{client_store.AUTO_SQLITE_MIN_CLIENTS} train clients on).')
 flags.DEFINE_enum('runtime', 'tff', ['tff'], 'Execution runtime.')
 flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                      'Cap on concurrent calls in the TFF C++ runtime '
@@ -39,22 +44,31 @@ flags.DEFINE_string('cache_dir', None, 'Directory of TFF dataset files.')
 flags.DEFINE_string('data_dir', None, 'TFDS data directory.')
 flags.DEFINE_boolean('download', False,
                      'Allow downloading a missing dataset into --cache_dir.')
+flags.DEFINE_string('movielens_dir', None,
+                    'Directory of MovieLens files (ML-100K u.data/u.item).')
+flags.DEFINE_float('heterogeneity', 1.0,
+                   'fedres_logistic: alpha of papers/000 eq. 13 in [0, 1]; 0 '
+                   'gives every client the same distribution.')
 flags.DEFINE_string('celeba_mode', 'mixed',
                     'celeba_smile: mixed (federated smiling / central '
-                    'non-smiling) or federated (both labels on clients).')
-# Task options of the re-partitioned tasks (emnist, digits, cifar10/100).
+                    'non-smiling), fl_only (the federated smiling data alone), '
+                    'oracle (both labels on the composite clients) or '
+                    'federated (both labels on the raw clients).')
+# Task options of the re-partitioned tasks (emnist, digits, cifar10/100);
+# unset ones take each task's own default.
 flags.DEFINE_integer('num_clients', None,
                      'Clients the pooled data is dealt to (default: the '
-                     'task\'s, 100 for emnist, 10 for cifar).')
-flags.DEFINE_float('similarity', 0.0,
+                     'task\'s: 100 for emnist/digits, 10 for cifar).')
+flags.DEFINE_float('similarity', None,
                    'emnist/digits: s, the percentage of i.i.d. data per '
-                   'client (the rest label-sorted shards), in [0, 100].')
-flags.DEFINE_float('dirichlet_alpha', 0.1,
+                   'client (the rest label-sorted shards), in [0, 100] '
+                   '(default 0).')
+flags.DEFINE_float('dirichlet_alpha', None,
                    'cifar10/cifar100: concentration of the Dirichlet label '
-                   'partition (small: skewed clients).')
+                   'partition (small: skewed clients; default 0.1).')
 flags.DEFINE_string('model', None,
-                    'Model of the task (emnist: logistic|mlp; cifar10/100: '
-                    'vgg11|resnet8); default: the first.')
+                    'Model of the task (digits/emnist: logistic|mlp; '
+                    'cifar10/100: vgg11|resnet8); default: the task\'s.')
 flags.DEFINE_float('model_width', 1.0,
                    'Multiplier of layer widths (MLP hidden units, conv '
                    'channels); < 1 for small test models.')
@@ -71,27 +85,95 @@ flags.DEFINE_float('server_learning_rate', 1.0, 'Server learning rate eta_s.')
 flags.DEFINE_integer('central_batch_size', 500, 'Mixed FL: |B_c|.')
 flags.DEFINE_string('central_optimizer', 'sgd', 'Mixed FL: CentralOpt.')
 flags.DEFINE_float('central_learning_rate', 0.01, 'Mixed FL: eta_c.')
+flags.DEFINE_string('merge_optimizer', 'sgd', 'Mixed FL: MergeOpt.')
 flags.DEFINE_float('merge_learning_rate', 1.0, 'Mixed FL: eta_m.')
 flags.DEFINE_float('federated_weight', 0.5, 'Mixed FL: w_f.')
 flags.DEFINE_float('central_weight', 0.5, 'Mixed FL: w_c.')
 flags.DEFINE_boolean('mixed_diagnostics', False, 'Mixed FL: eq. 7 metrics.')
 flags.DEFINE_float('proximal_strength', 0.01, 'FedProx: mu.')
 flags.DEFINE_integer('scaffold_option', 2, 'SCAFFOLD: control variate option.')
-flags.DEFINE_integer('pvr_last_layers', 1, 'FedPVR: layers with variates.')
+flags.DEFINE_integer('pvr_last_layers', 1,
+                     'FedPVR: control variates on the last L layers that have '
+                     'trainable variables (0: FedAvg; >= layer count: '
+                     'SCAFFOLD).')
+flags.DEFINE_integer('pvr_start_variable', None,
+                     'FedPVR: control variates on trainable variables from '
+                     'this index on (instead of --pvr_last_layers).')
+flags.DEFINE_boolean('drift_diversity', False,
+                     'SCAFFOLD/FedPVR: per-layer drift diversity metrics.')
+flags.DEFINE_enum('client_weighting', 'num_examples',
+                  list(algo_config.CLIENT_WEIGHTINGS),
+                  'Weights of clients in server means: examples processed or '
+                  'uniform.')
 flags.DEFINE_integer('fedres_option', 2, 'FedResAvg: option I or II.')
 flags.DEFINE_float('local_learning_rate', 0.01, 'FedRes: lambda.')
 flags.DEFINE_float('fedres_alpha', 1.0, 'FedResAvg: server step alpha.')
+flags.DEFINE_boolean('fedres_fit_unseen', False,
+                     'FedRes personalized eval: fit a never-sampled client\'s '
+                     'local model for K steps on its train data.')
 
 # Flags that only some algorithms use; each algorithm lists those it accepts.
 ALGORITHM_FLAGS = (
     'client_optimizer', 'client_learning_rate', 'server_optimizer',
     'server_learning_rate', 'central_batch_size', 'central_optimizer',
-    'central_learning_rate', 'merge_learning_rate', 'federated_weight',
+    'central_learning_rate', 'merge_optimizer', 'merge_learning_rate',
+    'federated_weight',
     'central_weight', 'mixed_diagnostics', 'proximal_strength',
     'scaffold_option', 'pvr_last_layers', 'fedres_option',
-    'local_learning_rate', 'fedres_alpha')
+    'local_learning_rate', 'fedres_alpha', 'pvr_start_variable',
+    'drift_diversity', 'client_weighting', 'fedres_fit_unseen')
 
 FLAGS = flags.FLAGS
+
+# Per-task defaults (the papers' settings), used for flags the user does not
+# set. A value is a constant or a function of the flags (read after the
+# constants are applied, in this order).
+TaskDefault = Union[Any, Callable[[flags.FlagValues], Any]]
+TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
+    # papers/002 Table C.2 (SPEC 5.2).
+    'celeba_smile': {
+        # S=100 on the real data; the synthetic stand-in has 20 clients.
+        'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
+        'client_batch_size': 5,
+        'client_steps': 2,
+        'client_learning_rate': 0.01,
+        'server_learning_rate': 1.0,
+        # |B_c| = K * S * |B_i| for 1-w GT's single central batch, S * |B_i|
+        # for each of the K central batches of PT and 2-w GT (Appendix C.2).
+        'central_batch_size': (
+            lambda f: 1000 if f.algorithm == 'mixed_1wgt' else 500),
+        # eta_c = eta * eta_s (Appendix C.2).
+        'central_learning_rate': (
+            lambda f: f.client_learning_rate * f.server_learning_rate),
+        'merge_learning_rate': 1.0,
+        'federated_weight': 0.5,
+        'central_weight': 0.5,
+    },
+}
+
+
+# A task default of the key is not applied when the user sets one of these.
+_ALTERNATIVE_FLAGS = {'client_steps': ('client_epochs',)}
+
+
+def apply_task_defaults(task: Optional[str],
+                        table: Optional[dict] = None) -> dict[str, Any]:
+  """Sets the task's defaults of flags not given on the command line.
+
+  Returns {flag: value} of the defaults applied (for hparams.json).
+  """
+  defaults = (TASK_DEFAULTS if table is None else table).get(task, {})
+  applied = {}
+  constants = [(n, v) for n, v in defaults.items() if not callable(v)]
+  functions = [(n, v) for n, v in defaults.items() if callable(v)]
+  for name, default in constants + functions:
+    user_set = (name,) + _ALTERNATIVE_FLAGS.get(name, ())
+    if any(FLAGS[flag].present for flag in user_set):
+      continue
+    value = default(FLAGS) if callable(default) else default
+    FLAGS[name].value = value
+    applied[name] = value
+  return applied
 
 
 def all_values() -> dict:
@@ -105,6 +187,8 @@ def data_config() -> task_base.DataConfig:
       client_steps=FLAGS.client_steps,
       client_epochs=FLAGS.client_epochs,
       central_batch_size=FLAGS.central_batch_size,
+      # K batches a round: PT and 2-w GT take all, 1-w GT the first only
+      # (the stream is lazy, so the others are never built).
       central_steps=FLAGS.client_steps or 1,
       eval_batch_size=FLAGS.eval_batch_size,
       seed=FLAGS.seed,
@@ -112,17 +196,25 @@ def data_config() -> task_base.DataConfig:
       cache_dir=FLAGS.cache_dir,
       data_dir=FLAGS.data_dir,
       download=FLAGS.download,
-      options={'celeba_mode': FLAGS.celeba_mode,
-               'num_clients': FLAGS.num_clients,
-               'similarity': FLAGS.similarity,
-               'dirichlet_alpha': FLAGS.dirichlet_alpha,
-               'model': FLAGS.model,
-               'model_width': FLAGS.model_width,
-               'emnist_only_digits': FLAGS.emnist_only_digits})
+      options=_task_options())
 
 
-def apply_task_defaults(task: task_base.Task) -> None:
-  """Flags whose default depends on the task, unless given explicitly.
+def _task_options() -> dict:
+  """Task options; those left unset take each task's own default."""
+  options = {'celeba_mode': FLAGS.celeba_mode,
+             'movielens_dir': FLAGS.movielens_dir,
+             'heterogeneity': FLAGS.heterogeneity,
+             'model_width': FLAGS.model_width,
+             'emnist_only_digits': FLAGS.emnist_only_digits}
+  for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha'):
+    if FLAGS[name].value is not None:
+      options[name] = FLAGS[name].value
+  return options
+
+
+def apply_built_task_defaults(task: task_base.Task) -> None:
+  """Flags whose default depends on the built task (e.g. full participation
+  over the task's population), unless given explicitly.
 
   The resolved value is what hparams.json records, so evaluate/export and a
   resumed run see the same value.
@@ -132,12 +224,37 @@ def apply_task_defaults(task: task_base.Task) -> None:
     FLAGS.clients_per_round = task.default_clients_per_round
 
 
-def algorithm_config(num_train_clients: int) -> algo_config.AlgorithmConfig:
+def algorithm_config(num_train_clients: int,
+                     central_loss_fn: Optional[Callable] = None
+                     ) -> algo_config.AlgorithmConfig:
+  """The algorithm's hyperparameters; `central_loss_fn` comes from the task."""
+  if FLAGS['pvr_last_layers'].present and FLAGS.pvr_start_variable is not None:
+    raise UsageError('--pvr_last_layers and --pvr_start_variable choose the '
+                     'same mask; pass one of them')
   return algo_config.AlgorithmConfig(
       client_optimizer=FLAGS.client_optimizer,
       client_learning_rate=FLAGS.client_learning_rate,
       server_optimizer=FLAGS.server_optimizer,
       server_learning_rate=FLAGS.server_learning_rate,
       proximal_strength=FLAGS.proximal_strength,
+      fedres_option=FLAGS.fedres_option,
+      local_learning_rate=FLAGS.local_learning_rate,
+      fedres_alpha=FLAGS.fedres_alpha,
+      fedres_fit_unseen=FLAGS.fedres_fit_unseen,
       num_train_clients=num_train_clients,
-      clients_per_round=FLAGS.clients_per_round)
+      clients_per_round=FLAGS.clients_per_round,
+      client_weighting=FLAGS.client_weighting,
+      scaffold_option=FLAGS.scaffold_option,
+      pvr_last_layers=FLAGS.pvr_last_layers,
+      pvr_start_variable=FLAGS.pvr_start_variable,
+      drift_diversity=FLAGS.drift_diversity,
+
+      central_optimizer=FLAGS.central_optimizer,
+      central_learning_rate=FLAGS.central_learning_rate,
+      merge_optimizer=FLAGS.merge_optimizer,
+      merge_learning_rate=FLAGS.merge_learning_rate,
+      federated_weight=FLAGS.federated_weight,
+      central_weight=FLAGS.central_weight,
+      mixed_diagnostics=FLAGS.mixed_diagnostics,
+      central_steps=FLAGS.client_steps,
+      central_loss_fn=central_loss_fn)

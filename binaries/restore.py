@@ -54,7 +54,8 @@ def load_checkpoint_weights(task):
   """(round, ModelWeights) of the chosen checkpoint of the run."""
   algorithm = algorithm_registry.build_algorithm(
       FLAGS.algorithm, task.model_fn,
-      flags_lib.algorithm_config(task.num_train_clients))
+      flags_lib.algorithm_config(task.num_train_clients,
+                                 task.central_loss_fn), task=task)
   checkpoints = driver.CheckpointManager(
       os.path.join(run_dir(), 'checkpoints'), keep=0)
   round_num = FLAGS.checkpoint_round

@@ -39,17 +39,22 @@ def main(argv):
   if FLAGS.task not in task_registry.NAMES:
     raise UsageError(f'--task={FLAGS.task!r} is unknown; allowed: '
                      f'{", ".join(task_registry.NAMES)}')
+  task_defaults = flags_lib.apply_task_defaults(FLAGS.task)
   tff_runtime.configure_execution(FLAGS.max_concurrent_computation_calls)
   task = task_registry.build_task(FLAGS.task, flags_lib.data_config())
-  flags_lib.apply_task_defaults(task)
+  flags_lib.apply_built_task_defaults(task)
   config = run_config()
   config.validate(task.num_train_clients)
   algorithm = algorithm_registry.build_algorithm(
       FLAGS.algorithm, task.model_fn,
-      flags_lib.algorithm_config(task.num_train_clients))
+      flags_lib.algorithm_config(task.num_train_clients,
+                                 task.central_loss_fn), task=task)
   app.check_flags_apply(FLAGS.algorithm, algorithm.flag_names,
                         flags_lib.ALGORITHM_FLAGS)
-  result = driver.train(algorithm, task, config, flags_lib.all_values())
+  hparams = flags_lib.all_values()
+  # Which values came from the task's defaults rather than the command line.
+  hparams['task_defaults_applied'] = task_defaults
+  result = driver.train(algorithm, task, config, hparams)
   summary = ', '.join(f'{k}={v:.4f}' for k, v in sorted(
       result.last_metrics.items()) if k.startswith(('train/loss', 'eval')))
   logging.info('finished round %d: %s', result.round_num, summary)

@@ -12,7 +12,7 @@ sampled have no row: their state is created lazily by the initializer.
 import io
 import os
 import sqlite3
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import tree
@@ -20,6 +20,15 @@ import tree
 from pipeline.errors import UsageError
 
 BACKENDS = ('memory', 'sqlite')
+# 'auto' picks sqlite above this many train clients: per-client states of a
+# large population (StackOverflow: 342,477 clients) must not live in RAM.
+AUTO_SQLITE_MIN_CLIENTS = 10_000
+
+
+def resolve_backend(backend: str, num_clients: int) -> str:
+  if backend == 'auto':
+    return 'sqlite' if num_clients >= AUTO_SQLITE_MIN_CLIENTS else 'memory'
+  return backend
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS client_states (
@@ -88,6 +97,21 @@ class ClientStateStore:
       states.append(self._initial_state if row is None else
                     deserialize_state(row[0], self._initial_state))
     return states
+
+  def has_state(self, client_ids: Sequence[str]) -> list[bool]:
+    """Whether each client has a stored state (was ever sampled)."""
+    return [self._connection.execute(
+        'SELECT 1 FROM client_states WHERE client_id = ? LIMIT 1',
+        (client_id,)).fetchone() is not None for client_id in client_ids]
+
+  def items(self) -> Iterator[tuple[str, Any]]:
+    """(client id, newest state) of every client with a stored state."""
+    rows = self._connection.execute(
+        'SELECT client_id, state FROM client_states AS current'
+        ' WHERE round_num = (SELECT MAX(round_num) FROM client_states'
+        ' WHERE client_id = current.client_id) ORDER BY client_id')
+    for client_id, blob in rows:
+      yield client_id, deserialize_state(blob, self._initial_state)
 
   def write(self, round_num: int, client_ids: Iterable[str],
             states: Iterable[Any]) -> None:

@@ -38,9 +38,9 @@ class RunConfig:
   total_rounds: int
   clients_per_round: int
   rounds_per_eval: int = 1
-  rounds_per_checkpoint: int = 1
+  rounds_per_checkpoint: int = 5
   seed: int = 0
-  client_state_store: str = 'memory'
+  client_state_store: str = 'auto'
   checkpoints_to_keep: int = 3
   export: bool = True
 
@@ -59,10 +59,10 @@ class RunConfig:
     for flag in ('rounds_per_eval', 'rounds_per_checkpoint'):
       if getattr(self, flag) < 1:
         raise UsageError(f'--{flag} must be >= 1, got {getattr(self, flag)}')
-    if self.client_state_store not in client_store_lib.BACKENDS:
+    if self.client_state_store not in ('auto',) + client_store_lib.BACKENDS:
       raise UsageError(
           f'--client_state_store={self.client_state_store!r} is unknown; '
-          f'allowed: {", ".join(client_store_lib.BACKENDS)}')
+          f'allowed: auto, {", ".join(client_store_lib.BACKENDS)}')
     if not self.experiment_name or os.sep in self.experiment_name:
       raise UsageError(f'--experiment_name={self.experiment_name!r} must be a '
                        'non-empty name without path separators')
@@ -160,7 +160,9 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
   store = None
   if algorithm.has_client_state:
     store = client_store_lib.open_store(
-        algorithm.client_state_fn, config.client_state_store, run_dir)
+        algorithm.client_state_fn,
+        client_store_lib.resolve_backend(config.client_state_store,
+                                         task.num_train_clients), run_dir)
   checkpoints = CheckpointManager(os.path.join(run_dir, 'checkpoints'),
                                   config.checkpoints_to_keep)
 
@@ -221,6 +223,10 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
           evaluator = evaluation.Evaluator(task)
         eval_started = time.perf_counter()
         row.update(evaluator(algorithm.get_model_weights(server_state)))
+        if algorithm.personalization is not None:
+          row.update(evaluation.flatten_metrics(
+              algorithm.personalization.evaluate(server_state, store),
+              'eval_personalized/'))
         row['eval_seconds'] = time.perf_counter() - eval_started
       asyncio.run(csv_metrics.release(row, round_num))
       asyncio.run(tensorboard.release(row, round_num))
@@ -231,11 +237,18 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
       progress.update(1)
       if 'train/loss' in row:
         progress.set_postfix(loss=f'{row["train/loss"]:.4f}', refresh=False)
+      if 'eval_seconds' in row:
+        tqdm.tqdm.write(f'round {round_num}: ' + ', '.join(
+            f'{k}={v:.4g}' for k, v in row.items()
+            if k in ('train/loss',) or k.startswith('eval')))
+    weights = algorithm.get_model_weights(server_state)
+    if config.export:
+      export_dir = export_lib.export_saved_model(
+          task, weights, os.path.join(run_dir, 'export'))
+      if algorithm.personalization is not None:
+        algorithm.personalization.export(server_state, store, export_dir)
   finally:
     progress.close()
     if store:
       store.close()
-  weights = algorithm.get_model_weights(server_state)
-  if config.export:
-    export_lib.export_saved_model(task, weights, os.path.join(run_dir, 'export'))
   return TrainResult(config.total_rounds, server_state, weights, row)

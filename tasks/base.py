@@ -16,6 +16,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from tasks import residual
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,19 @@ class ServingSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class PersonalEvalData:
+  """Per-client held-out data, for evaluating personalized models."""
+  # Clients to evaluate; may include clients outside the train population.
+  client_ids: tuple[str, ...]
+  # client id -> batches (model input, label) of its held-out examples.
+  test_dataset_fn: Callable[[str], tf.data.Dataset]
+  # (client id, shuffle seed) -> the client's training batches, as the
+  # client dataset computation makes them; e.g. to fit a personal model for
+  # a client that never trained one.
+  train_dataset_fn: Callable[[str, int], tf.data.Dataset]
+
+
+@dataclasses.dataclass(frozen=True)
 class Task:
   """Everything the driver needs about one learning problem."""
   name: str
@@ -84,6 +98,15 @@ class Task:
   # Clients per round when --clients_per_round is not given (e.g. full
   # participation for CIFAR); None keeps the flag's default.
   default_clients_per_round: Optional[int] = None
+  # A centralized loss without data (mixed FL), e.g. a regularizer of the
+  # embedding table: trainable ModelWeights (variables) -> scalar. Used
+  # instead of server data when set.
+  central_loss_fn: Optional[
+      Callable[[tff.learning.models.ModelWeights], tf.Tensor]] = None
+  # Global + local model structure for FedRes; None if the task has none.
+  residual_spec: Optional[residual.ResidualModelSpec] = None
+  # Per-client held-out data for personalized evaluation; None if none.
+  personal_eval_data: Optional[PersonalEvalData] = None
 
   @property
   def num_train_clients(self) -> int:

@@ -5,7 +5,12 @@ Modes (`--celeba_mode`):
     the smiling images of the train clients, three raw clients grouped into one
     composite client; central (server) data are the non-smiling images of the
     same train clients; evaluation on every image of the test clients.
+  fl_only: the federated data of `mixed` alone, no central data (Figure 1's
+    "only FL" curve, e.g. with FedAvg).
+  oracle: the composite clients of `mixed` with both labels, no central data
+    (Figure 1's "oracle": all training data available to one FL process).
   federated: plain FL, raw train clients with both labels.
+All modes evaluate on the same test images.
 """
 
 import collections
@@ -20,7 +25,7 @@ from tasks import base
 
 IMAGE_SHAPE = (84, 84, 3)
 LABEL = 'smiling'
-MODES = ('mixed', 'federated')
+MODES = ('mixed', 'fl_only', 'oracle', 'federated')
 COMPOSITE_SIZE = 3
 COMPOSITE_SEPARATOR = '|'
 SQLITE_NAME = 'celeba.sqlite'
@@ -128,17 +133,18 @@ def build_task(config: base.DataConfig) -> base.Task:
   train, test = _load_client_data(config)
   raw_examples = train.serializable_dataset_fn
   raw_train_ids = tuple(train.client_ids)
-  if mode == 'mixed':
-    train_ids = _composite_ids(raw_train_ids, config.seed)
-  else:
+  smiling_clients = mode in ('mixed', 'fl_only')
+  if mode == 'federated':
     train_ids = raw_train_ids
+  else:
+    train_ids = _composite_ids(raw_train_ids, config.seed)
 
   def client_examples(client_id):
     # A composite client is its raw clients' data in sequence.
     raw_ids = tf.strings.split(client_id, COMPOSITE_SEPARATOR)
     examples = tf.data.Dataset.from_tensor_slices(raw_ids).flat_map(
         raw_examples)
-    if mode == 'mixed':
+    if smiling_clients:
       examples = examples.filter(lambda e: e[LABEL])
     return examples
 
@@ -148,12 +154,12 @@ def build_task(config: base.DataConfig) -> base.Task:
 
   server_dataset = None
   if mode == 'mixed':
-    raw_id_tensor = tf.constant(raw_train_ids)
 
     def server_batches(seed):
       # Fresh central batches each round: a seeded pass over the train
       # clients' non-smiling images.
-      examples = tf.data.Dataset.from_tensor_slices(raw_id_tensor).shuffle(
+      examples = tf.data.Dataset.from_tensor_slices(
+          tf.constant(raw_train_ids)).shuffle(
           len(raw_train_ids), seed=seed).flat_map(raw_examples).filter(
               lambda e: tf.logical_not(e[LABEL]))
       return examples.shuffle(
@@ -164,7 +170,8 @@ def build_task(config: base.DataConfig) -> base.Task:
     server_dataset = base.server_dataset_computation(server_batches)
 
   def eval_datasets():
-    return {'': test.create_tf_dataset_from_all_clients().batch(
+    # A fixed client order: eval batches (and so float sums) never change.
+    return {'': test.create_tf_dataset_from_all_clients(seed=0).batch(
         config.eval_batch_size).map(_to_batch)}
 
   batch_spec = (tf.TensorSpec([None, *IMAGE_SHAPE], tf.float32),

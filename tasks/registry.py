@@ -6,13 +6,20 @@ from pipeline.errors import UsageError
 from tasks import base
 from tasks import celeba
 from tasks import cifar
+from tasks import digits
 from tasks import emnist
+from tasks import fedres_synthetic
+from tasks import movielens_ratings
 
 _BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
     'celeba_smile': celeba.build_task,
-    'emnist': emnist.build_task,
     'cifar10': cifar.build_cifar10,
     'cifar100': cifar.build_cifar100,
+    'digits': digits.build_task,
+    'emnist': emnist.build_task,
+    'fedres_toy': fedres_synthetic.build_toy_task,
+    'fedres_logistic': fedres_synthetic.build_logistic_task,
+    'movielens_ratings': movielens_ratings.build_task,
 }
 NAMES = tuple(_BUILDERS)
 

@@ -4,19 +4,47 @@ adapted to the common process contract (tff_algos.contract)."""
 import collections
 from typing import Callable
 
+import tensorflow as tf
 import tensorflow_federated as tff
 
+from pipeline.errors import UsageError
+from tff_algos import communication
 from tff_algos import contract
 from tff_algos import optimizers
 from tff_algos.config import AlgorithmConfig
+from tff_algos.config import CLIENT_WEIGHTINGS
+
+
+def communication_bytes(state_type: tff.Type,
+                         model_fn: Callable) -> tuple[int, int]:
+  """(down, up) bytes per client of a tff.learning model-delta process.
+
+  Down: the global model weights, plus the client work's state, which
+  tff.learning broadcasts (the client optimizer's hyperparameters for FedAvg;
+  empty for FedProx and FedSGD). Up: the model update (trainable weights),
+  its float32 weight and the model's unfinalized metric sums.
+  """
+  weights_type = state_type.member.global_model_weights
+  down = (communication.type_bytes(weights_type) +
+          communication.type_bytes(state_type.member.client_work))
+  with tf.Graph().as_default():
+    model = model_fn()
+    metrics_type = tff.types.tensorflow_to_type(tf.nest.map_structure(
+        tf.TensorSpec.from_tensor, model.report_local_unfinalized_metrics()))
+  up = (communication.type_bytes(weights_type.trainable) + 4 +
+        communication.type_bytes(metrics_type))
+  return down, up
 
 
 def adapt_learning_process(name: str,
                            learning_process: tff.learning.templates.LearningProcess,
-                           flag_names: tuple[str, ...]) -> contract.FederatedAlgorithm:
-  """Wraps a LearningProcess: no client state, `train/*` metrics."""
+                           flag_names: tuple[str, ...],
+                           model_fn: Callable) -> contract.FederatedAlgorithm:
+  """Wraps a LearningProcess: no client state, `train/*` and
+  `communication/*` metrics."""
   state_type = learning_process.initialize.type_signature.result
   data_type = learning_process.next.type_signature.parameter[1]
+  bytes_down, bytes_up = communication_bytes(state_type, model_fn)
 
   @tff.tensorflow.computation(data_type.member)
   def no_client_state(dataset):
@@ -27,7 +55,8 @@ def adapt_learning_process(name: str,
   def next_fn(server_state, client_data):
     output = learning_process.next(server_state, client_data)
     metrics = tff.federated_zip(collections.OrderedDict(
-        train=output.metrics.client_work.train))
+        train=output.metrics.client_work.train,
+        communication=communication.metrics_at_server(bytes_down, bytes_up)))
     return (output.state, tff.federated_map(no_client_state, client_data),
             metrics)
 
@@ -40,35 +69,44 @@ def adapt_learning_process(name: str,
       flag_names=flag_names)
 
 
-_CLIENT_FLAGS = ('client_optimizer', 'client_learning_rate')
+_CLIENT_FLAGS = ('client_optimizer', 'client_learning_rate',
+                 'client_weighting')
 _SERVER_FLAGS = ('server_optimizer', 'server_learning_rate')
+
+
+def client_weighting(name: str) -> tff.learning.ClientWeighting:
+  if name not in CLIENT_WEIGHTINGS:
+    raise UsageError(f'--client_weighting={name!r} is unknown; allowed: '
+                     f'{", ".join(CLIENT_WEIGHTINGS)}')
+  return {'num_examples': tff.learning.ClientWeighting.NUM_EXAMPLES,
+          'uniform': tff.learning.ClientWeighting.UNIFORM}[name]
+
+
+def _client_and_server_optimizers(config: AlgorithmConfig) -> dict:
+  return dict(
+      client_weighting=client_weighting(config.client_weighting),
+      client_optimizer_fn=optimizers.build(
+          config.client_optimizer, config.client_learning_rate,
+          'client_optimizer'),
+      server_optimizer_fn=optimizers.build(
+          config.server_optimizer, config.server_learning_rate,
+          'server_optimizer'))
 
 
 def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
   process = tff.learning.algorithms.build_weighted_fed_avg(
-      model_fn,
-      client_optimizer_fn=optimizers.build(
-          config.client_optimizer, config.client_learning_rate,
-          'client_optimizer'),
-      server_optimizer_fn=optimizers.build(
-          config.server_optimizer, config.server_learning_rate,
-          'server_optimizer'))
-  return adapt_learning_process('fedavg', process, _CLIENT_FLAGS + _SERVER_FLAGS)
+      model_fn, **_client_and_server_optimizers(config))
+  return adapt_learning_process('fedavg', process, _CLIENT_FLAGS + _SERVER_FLAGS,
+                                model_fn)
 
 
 def build_fedprox(model_fn: Callable, config: AlgorithmConfig):
   process = tff.learning.algorithms.build_weighted_fed_prox(
-      model_fn,
-      proximal_strength=config.proximal_strength,
-      client_optimizer_fn=optimizers.build(
-          config.client_optimizer, config.client_learning_rate,
-          'client_optimizer'),
-      server_optimizer_fn=optimizers.build(
-          config.server_optimizer, config.server_learning_rate,
-          'server_optimizer'))
+      model_fn, proximal_strength=config.proximal_strength,
+      **_client_and_server_optimizers(config))
   return adapt_learning_process(
       'fedprox', process,
-      _CLIENT_FLAGS + _SERVER_FLAGS + ('proximal_strength',))
+      _CLIENT_FLAGS + _SERVER_FLAGS + ('proximal_strength',), model_fn)
 
 
 def build_fedsgd(model_fn: Callable, config: AlgorithmConfig):
@@ -77,4 +115,4 @@ def build_fedsgd(model_fn: Callable, config: AlgorithmConfig):
       server_optimizer_fn=optimizers.build(
           config.server_optimizer, config.server_learning_rate,
           'server_optimizer'))
-  return adapt_learning_process('fedsgd', process, _SERVER_FLAGS)
+  return adapt_learning_process('fedsgd', process, _SERVER_FLAGS, model_fn)

@@ -13,6 +13,11 @@ updated client state (an empty struct when there is none); `server_data` is a
 dataset of central batches (mixed FL). `metrics` is a structure whose top-level
 keys become metric-name prefixes (`train/loss`, ...).
 
+An algorithm whose client states hold personal models (FedRes theta_i) also
+gives `Personalization` hooks: the driver reports their evaluation beside the
+global-only one (`eval_personalized/<metric>`) and calls their export after
+writing the global model.
+
 `compose_by_id` turns that into what the driver runs: clients are passed by
 id (plus a per-round shuffle seed and their stored state) and every dataset is
 built inside the TFF computation (SPEC 4.4), so no dataset is serialized from
@@ -21,15 +26,31 @@ Python each round.
 
 import collections
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import tensorflow_federated as tff
+
+from pipeline.errors import UsageError
 
 ModelWeights = tff.learning.models.ModelWeights
 
 # Type of the per-client input of a by-id process (without the state field).
 CLIENT_ID_FIELDS = (('id', np.str_), ('seed', np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Personalization:
+  """Evaluation and export of the personal models kept in client states.
+
+  Both receive the Python server state and the driver's client-state store
+  (`pipeline.client_store.ClientStateStore`), which they must only read.
+  """
+  # (server_state, store) -> {metric name: value}.
+  evaluate: Callable[[Any, Any], Mapping[str, float]]
+  # (server_state, store, export_dir): writes the personal models (and how to
+  # serve them) into the export directory of the global model.
+  export: Callable[[Any, Any, str], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +66,8 @@ class FederatedAlgorithm:
   uses_server_data: bool = False
   # Algorithm-specific flags that apply (validated by the binaries).
   flag_names: tuple[str, ...] = ()
+  # Set when client states hold personal models (needs client state).
+  personalization: Optional[Personalization] = None
 
   @property
   def has_client_state(self) -> bool:
@@ -75,7 +98,9 @@ def compose_by_id(
     fields.append(('state', client_state_type))
   client_input_type = tff.FederatedType(tff.StructType(fields), tff.CLIENTS)
   if algorithm.uses_server_data and server_dataset_computation is None:
-    raise ValueError(f'{algorithm.name} needs server data; this task has none')
+    raise UsageError(
+        f'--algorithm={algorithm.name} needs central (server) data or a '
+        'data-free central loss; the task, with these flags, has neither')
 
   @tff.federated_computation(state_type, client_input_type,
                              tff.FederatedType(np.int64, tff.SERVER))

@@ -1,0 +1,94 @@
+"""Curves of one metric against rounds for several runs, in one PNG.
+
+  python -m binaries.plot runs/mixed_pt runs/mixed_1wgt runs/fl_only \
+      --metric=eval/auc --output=auc.png
+
+Each positional argument is a run directory (<root_output_dir>/<name>) made
+by binaries.train; its curve is labelled with the directory's name (or
+--labels). Rounds where the metric was not computed (e.g. no evaluation) are
+skipped.
+"""
+
+import csv
+import os
+
+from absl import flags
+
+from binaries import app
+from pipeline.errors import UsageError
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('metric', 'eval/auc', 'Column of metrics.csv to plot.')
+flags.DEFINE_string('output', None, 'PNG file to write.')
+flags.DEFINE_list('labels', None,
+                  'Curve labels, one per run directory (default: names).')
+flags.DEFINE_string('title', None, 'Plot title (default: the metric).')
+
+ROUND_COLUMN = 'round_num'
+
+
+def read_curve(run_dir: str, metric: str) -> tuple[list[int], list[float]]:
+  """(rounds, values) of `metric` in `run_dir`/metrics.csv."""
+  path = os.path.join(run_dir, 'metrics.csv')
+  if not os.path.isfile(path):
+    raise UsageError(f'{path} not found: each argument must be a run '
+                     'directory written by binaries.train')
+  with open(path, newline='') as f:
+    reader = csv.DictReader(f)
+    columns = reader.fieldnames or []
+    if metric not in columns:
+      available = ', '.join(c for c in columns if c != ROUND_COLUMN)
+      raise UsageError(f'--metric={metric} is not a column of {path}; '
+                       f'allowed: {available}')
+    points = [(int(row[ROUND_COLUMN]), float(row[metric]))
+              for row in reader if row.get(metric) not in (None, '')]
+  if not points:
+    raise UsageError(f'{path} has no values of --metric={metric}')
+  points.sort()
+  return [r for r, _ in points], [v for _, v in points]
+
+
+def plot(run_dirs: list[str], metric: str, output: str,
+         labels: list[str], title: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  # Every file is read before anything is written.
+  curves = [read_curve(run_dir, metric) for run_dir in run_dirs]
+  figure, axes = plt.subplots(figsize=(6.4, 4.2))
+  for (rounds, values), label in zip(curves, labels):
+    axes.plot(rounds, values, label=label, marker='.' if len(rounds) < 30
+              else None)
+  axes.set_xlabel('round')
+  axes.set_ylabel(metric)
+  axes.set_title(title)
+  axes.grid(alpha=0.3)
+  axes.legend()
+  figure.tight_layout()
+  directory = os.path.dirname(os.path.abspath(output))
+  os.makedirs(directory, exist_ok=True)
+  figure.savefig(output, dpi=100)
+  plt.close(figure)
+
+
+def main(argv):
+  run_dirs = argv[1:]
+  if not run_dirs:
+    raise UsageError('pass one or more run directories, e.g. '
+                     'python -m binaries.plot runs/a runs/b --output=a.png')
+  app.require_flags('output')
+  if not FLAGS.output.lower().endswith('.png'):
+    raise UsageError(f'--output={FLAGS.output} must be a .png file')
+  labels = FLAGS.labels or [os.path.basename(os.path.normpath(d))
+                            for d in run_dirs]
+  if len(labels) != len(run_dirs):
+    raise UsageError(f'--labels has {len(labels)} labels for '
+                     f'{len(run_dirs)} run directories')
+  plot(run_dirs, FLAGS.metric, FLAGS.output, labels,
+       FLAGS.title or FLAGS.metric)
+  print(f'wrote {FLAGS.output}')
+
+
+if __name__ == '__main__':
+  app.run(main, allow_positional_args=True)

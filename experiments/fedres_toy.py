@@ -1,0 +1,80 @@
+"""Client drift on the two-client quadratic of papers/000 Appendix E.1.
+
+  python -m experiments.fedres_toy [--rounds 300] [--ks 1,5,10,20,50]
+
+L_1(w, theta_1) = 0.1 (w + theta_1)^2 + 10 w, L_2(w, theta_2) = 0.1 theta_2^2
+- 10 w (task fedres_toy), eta = lambda = 0.01, alpha = 1, both clients every
+round. Prints the average loss (1/2) sum_i L_i(w, theta_i) (the personalized
+evaluation loss) after each algorithm's rounds, for every K, and the K = 10
+curves. The paper's claim: FedResSGD and FedResAvg-II go to 0 for every K;
+FedResNaive and FedResAvg-I stall at a positive loss that grows with K.
+"""
+
+import argparse
+
+from pipeline import tff_runtime
+
+ALGORITHMS = {  # column -> (variant, fedres_option)
+    'FedResNaive': ('naive', 1),
+    'FedResSGD': ('sgd', 1),
+    'FedResAvg-I': ('avg', 1),
+    'FedResAvg-II': ('avg', 2),
+}
+LEARNING_RATE = 0.01  # eta = lambda, as in the paper.
+
+
+def toy_losses(k: int, rounds: int, seed: int = 0, eval_every: int = 0):
+  """{algorithm: run results} on fedres_toy with K = k."""
+  # Imports here so `--help` does not load TensorFlow.
+  from experiments import fedres_common  # pylint: disable=g-import-not-at-top
+  from tasks import base  # pylint: disable=g-import-not-at-top
+  from tasks import fedres_synthetic  # pylint: disable=g-import-not-at-top
+  from tff_algos.config import AlgorithmConfig  # pylint: disable=g-import-not-at-top
+  task = fedres_synthetic.build_toy_task(
+      base.DataConfig(client_steps=k, client_batch_size=1, seed=seed))
+  results = {}
+  for name, (variant, option) in ALGORITHMS.items():
+    config = AlgorithmConfig(
+        client_learning_rate=LEARNING_RATE, local_learning_rate=LEARNING_RATE,
+        fedres_option=option, fedres_alpha=1.0)
+    results[name] = fedres_common.run_fedres(
+        variant, task, config, rounds, seed=seed, eval_every=eval_every)
+  return results
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--rounds', type=int, default=300)
+  parser.add_argument('--ks', default='1,5,10,20,50')
+  parser.add_argument('--seed', type=int, default=0)
+  args = parser.parse_args()
+  tff_runtime.configure_execution()
+  from experiments import fedres_common  # pylint: disable=g-import-not-at-top
+  fedres_common.disable_graph_optimizer()
+  ks = [int(k) for k in args.ks.split(',')]
+  print(f'fedres_toy: average loss after {args.rounds} rounds '
+        f'(eta = lambda = {LEARNING_RATE}, alpha = 1, seed {args.seed})')
+  print(f'{"K":>4} ' + ' '.join(f'{name:>13}' for name in ALGORITHMS))
+  curves = None
+  for k in ks:
+    eval_every = max(1, args.rounds // 10) if k == 10 else 0
+    results = toy_losses(k, args.rounds, args.seed, eval_every)
+    print(f'{k:>4} ' + ' '.join(
+        f'{results[name]["eval_personalized/loss"]:>13.3e}'
+        for name in ALGORITHMS), flush=True)
+    if k == 10:
+      curves = results
+  if curves:
+    print('\nK = 10, average loss by round')
+    print(f'{"round":>6} ' + ' '.join(f'{name:>13}' for name in ALGORITHMS))
+    rounds = [r for r, _ in curves['FedResSGD']['history']]
+    for i, round_num in enumerate(rounds):
+      print(f'{round_num:>6} ' + ' '.join(
+          f'{curves[name]["history"][i][1]:>13.3e}' for name in ALGORITHMS))
+
+
+if __name__ == '__main__':
+  try:
+    main()
+  finally:
+    tff_runtime.shutdown_workers()

@@ -1,0 +1,153 @@
+"""SCAFFOLD vs FedAvg on label-sorted digits (papers/004 Sec. 7, Table 3 style).
+
+Runs `binaries.train` on `--task=digits` (scikit-learn's 8x8 digits, 1500
+training images dealt to 100 clients with 0% similarity, i.e. label-sorted
+shards of 15 images, one or two labels per client), 20 clients per round,
+batches of 3 (0.2 of a client's data, as in the paper: 5 steps per epoch),
+uniform client weights and eta_s = 1 as in the paper, for each K of a sweep and
+each client learning rate of a grid. Then prints, per (algorithm, K, eta), the
+global model's training loss (`eval_train/loss`, the objective f(x) over all
+1500 images) after the last round, the test accuracy, and the first round at
+which the training loss reached `--target_loss`; and checks the two claims of
+the issue:
+  1. SCAFFOLD reaches a lower training loss than FedAvg after the same rounds
+     (for every K, at each algorithm's best learning rate of the grid);
+  2. FedAvg gets worse as K grows while SCAFFOLD does not.
+
+  python -m experiments.scaffold_digits --root_output_dir=/tmp/scaffold_digits
+  python -m experiments.scaffold_digits --root_output_dir=/tmp/sd \
+      --client_steps=25 --total_rounds=10 --learning_rates=1.0
+
+Runs that already have a checkpoint resume (same flags, more rounds). Run it
+from the repository root (`python -m`), so this checkout's code is used.
+"""
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALGORITHMS = ('fedavg', 'scaffold')
+
+
+def run_name(algorithm: str, steps: int, learning_rate: float) -> str:
+  return f'{algorithm}_K{steps}_lr{learning_rate:g}'
+
+
+def train(algorithm, steps, learning_rate, args):
+  command = [
+      sys.executable, '-m', 'binaries.train', '--task=digits',
+      f'--algorithm={algorithm}', f'--model={args.model}',
+      f'--similarity={args.similarity:g}', f'--num_clients={args.num_clients}',
+      f'--clients_per_round={args.clients_per_round}',
+      f'--client_batch_size={args.client_batch_size}',
+      f'--client_steps={steps}', f'--client_learning_rate={learning_rate:g}',
+      '--client_weighting=uniform', '--server_learning_rate=1',
+      f'--total_rounds={args.total_rounds}', '--rounds_per_eval=1',
+      f'--rounds_per_checkpoint={args.total_rounds}', f'--seed={args.seed}',
+      f'--experiment_name={run_name(algorithm, steps, learning_rate)}',
+      f'--root_output_dir={args.root_output_dir}',
+  ]
+  print('$', ' '.join(command[2:]), flush=True)
+  subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+
+
+def read_curve(run_dir: str, metric: str) -> list[float]:
+  with open(os.path.join(run_dir, 'metrics.csv'), newline='') as f:
+    return [float(row[metric]) for row in csv.DictReader(f) if row.get(metric)]
+
+
+def summarize(args) -> dict:
+  rows = {}
+  for steps in args.client_steps:
+    for learning_rate in args.learning_rates:
+      for algorithm in ALGORITHMS:
+        run_dir = os.path.join(args.root_output_dir,
+                               run_name(algorithm, steps, learning_rate))
+        losses = read_curve(run_dir, 'eval_train/loss')
+        accuracy = read_curve(run_dir, 'eval/accuracy')
+        reached = next((i + 1 for i, v in enumerate(losses)
+                        if v <= args.target_loss), None)
+        rows[algorithm, steps, learning_rate] = dict(
+            loss=losses[-1], accuracy=accuracy[-1], reached=reached,
+            rounds=len(losses))
+  return rows
+
+
+def print_table(rows, args) -> None:
+  print(f'\ndigits, similarity {args.similarity:g}%, {args.clients_per_round} '
+        f'of {args.num_clients} clients per round, batch '
+        f'{args.client_batch_size}, model {args.model}, seed {args.seed}')
+  print(f'{"algorithm":10s} {"K":>4s} {"eta":>6s} {"rounds":>6s} '
+        f'{"train loss":>10s} {"test acc":>8s} '
+        f'{"rounds to loss<=" + format(args.target_loss, "g"):>18s}')
+  for (algorithm, steps, learning_rate), row in sorted(
+      rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+    reached = str(row['reached']) if row['reached'] else f'>{row["rounds"]}'
+    print(f'{algorithm:10s} {steps:4d} {learning_rate:6g} {row["rounds"]:6d} '
+          f'{row["loss"]:10.4f} {row["accuracy"]:8.4f} {reached:>18s}')
+
+
+def check_claims(rows, args) -> bool:
+  best = {}
+  for (algorithm, steps, _), row in rows.items():
+    key = (algorithm, steps)
+    best[key] = min(best.get(key, float('inf')), row['loss'])
+  print('\nbest train loss over the learning-rate grid:')
+  print(f'{"K":>4s} ' + ' '.join(f'{a:>10s}' for a in ALGORITHMS) +
+        f' {"scaffold/fedavg":>16s}')
+  for steps in args.client_steps:
+    fedavg, scaffold = best['fedavg', steps], best['scaffold', steps]
+    print(f'{steps:4d} {fedavg:10.4f} {scaffold:10.4f} '
+          f'{scaffold / fedavg:16.3f}')
+  lower = all(best['scaffold', k] < best['fedavg', k]
+              for k in args.client_steps)
+  ks = sorted(args.client_steps)
+  fedavg_worse = all(best['fedavg', b] > best['fedavg', a]
+                     for a, b in zip(ks, ks[1:]))
+  scaffold_not_worse = all(best['scaffold', b] <= best['scaffold', a]
+                           for a, b in zip(ks, ks[1:]))
+  print(f'\nclaim 1, SCAFFOLD lower train loss than FedAvg at every K: '
+        f'{"holds" if lower else "does NOT hold"}')
+  if len(ks) > 1:
+    print('claim 2, FedAvg worse as K grows: '
+          f'{"holds" if fedavg_worse else "does NOT hold"}; SCAFFOLD not '
+          f'worse as K grows: {"holds" if scaffold_not_worse else "does NOT hold"}')
+  return lower and (len(ks) == 1 or (fedavg_worse and scaffold_not_worse))
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--root_output_dir', required=True)
+  parser.add_argument('--total_rounds', type=int, default=50)
+  parser.add_argument('--client_steps', default='5,25,50',
+                      help='Comma-separated K sweep.')
+  parser.add_argument('--learning_rates', default='0.3,1',
+                      help='Comma-separated grid of client learning rates.')
+  parser.add_argument('--model', default='logistic')
+  parser.add_argument('--similarity', type=float, default=0.0)
+  parser.add_argument('--num_clients', type=int, default=100)
+  parser.add_argument('--clients_per_round', type=int, default=20)
+  parser.add_argument('--client_batch_size', type=int, default=3)
+  parser.add_argument('--target_loss', type=float, default=0.5)
+  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--summarize_only', action='store_true',
+                      help='Print the table of existing runs; train nothing.')
+  args = parser.parse_args()
+  args.root_output_dir = os.path.abspath(args.root_output_dir)
+  args.client_steps = [int(k) for k in args.client_steps.split(',')]
+  args.learning_rates = [float(v) for v in args.learning_rates.split(',')]
+  if not args.summarize_only:
+    for steps in args.client_steps:
+      for learning_rate in args.learning_rates:
+        for algorithm in ALGORITHMS:
+          train(algorithm, steps, learning_rate, args)
+  rows = summarize(args)
+  print_table(rows, args)
+  return 0 if check_claims(rows, args) else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,112 @@
+"""Per-client examples held in memory as one set of arrays.
+
+Rows are grouped by client so a client's examples are one slice. Client ids
+are the decimal strings of non-negative integer keys, so a TF graph maps an
+id to its slice with arithmetic and two small index arrays (no lookup table
+to initialize inside TFF computations).
+"""
+
+from typing import Callable, Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from tasks import base
+from tasks import residual
+
+
+class ClientArrays:
+  """Columns of per-example arrays, sliced by client."""
+
+  def __init__(self, client_keys: np.ndarray, columns: Mapping[str, np.ndarray]):
+    client_keys = np.asarray(client_keys, np.int64)
+    if client_keys.size and client_keys.min() < 0:
+      raise ValueError('client keys must be non-negative integers')
+    order = np.argsort(client_keys, kind='stable')
+    self._keys = client_keys[order]
+    self._columns = {name: np.asarray(values)[order]
+                     for name, values in columns.items()}
+    num_keys = int(self._keys.max()) + 1 if self._keys.size else 0
+    key_range = np.arange(num_keys)
+    self._starts = np.searchsorted(self._keys, key_range, 'left')
+    self._ends = np.searchsorted(self._keys, key_range, 'right')
+
+  @property
+  def client_ids(self) -> tuple[str, ...]:
+    """Ids of the clients that have at least one example, by key."""
+    return tuple(str(k) for k in np.unique(self._keys))
+
+  @property
+  def num_examples(self) -> int:
+    return len(self._keys)
+
+  def rows(self, client_id: str) -> dict[str, np.ndarray]:
+    key = int(client_id)
+    if key >= len(self._starts):
+      return {name: values[:0] for name, values in self._columns.items()}
+    return {name: values[self._starts[key]:self._ends[key]]
+            for name, values in self._columns.items()}
+
+  def dataset(self, client_id: str) -> tf.data.Dataset:
+    """One client's examples (eager: sliced in numpy)."""
+    return tf.data.Dataset.from_tensor_slices(self.rows(client_id))
+
+  def all_examples(self) -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices(dict(self._columns))
+
+  def graph_dataset(self, client_id: tf.Tensor) -> tf.data.Dataset:
+    """One client's examples inside a TF graph (e.g. a TFF computation).
+
+    The arrays become graph constants: keep the columns compact (ids rather
+    than features looked up later).
+    """
+    key = tf.strings.to_number(client_id, tf.int64)
+    starts = tf.constant(self._starts, tf.int64)
+    ends = tf.constant(self._ends, tf.int64)
+    in_range = key < tf.size(starts, out_type=tf.int64)
+    safe_key = tf.where(in_range, key, 0)
+    start = tf.where(in_range, tf.gather(starts, safe_key), 0)
+    end = tf.where(in_range, tf.gather(ends, safe_key), 0)
+    columns = {name: tf.constant(values)[start:end]
+               for name, values in self._columns.items()}
+    return tf.data.Dataset.from_tensor_slices(columns)
+
+
+def build_task(name: str, config: base.DataConfig, train: ClientArrays,
+               test: ClientArrays, to_batch: Callable[[dict], tuple],
+               label_spec: tf.TensorSpec, spec: residual.ResidualModelSpec,
+               serving: base.ServingSpec) -> base.Task:
+  """A residual task whose clients are `train`'s, evaluated on `test`.
+
+  `to_batch` maps a batch of rows (dict of columns) to (model input, label).
+  Global-only evaluation pools every client's test examples; personalized
+  evaluation takes the same examples client by client.
+  """
+
+  def client_dataset(client_id, seed):
+    return base.client_batches(train.graph_dataset(client_id), config,
+                               seed).map(to_batch)
+
+  def eval_datasets():
+    return {'': test.all_examples().batch(config.eval_batch_size).map(
+        to_batch)}
+
+  personal_eval_data = base.PersonalEvalData(
+      client_ids=test.client_ids,
+      test_dataset_fn=lambda client_id: test.dataset(client_id).batch(
+          config.eval_batch_size).map(to_batch),
+      train_dataset_fn=lambda client_id, seed: base.client_batches(
+          train.dataset(client_id), config, seed).map(to_batch))
+  return base.Task(
+      name=name,
+      train_client_ids=train.client_ids,
+      client_dataset_computation=base.client_dataset_computation(
+          client_dataset),
+      keras_model_fn=lambda: residual.global_only_model(spec),
+      loss_fn=spec.loss_fn,
+      metrics_fn=spec.metrics_fn,
+      batch_spec=(spec.input_spec, label_spec),
+      eval_datasets_fn=eval_datasets,
+      serving=serving,
+      residual_spec=spec,
+      personal_eval_data=personal_eval_data)

@@ -1,0 +1,157 @@
+"""digits: scikit-learn's bundled 8x8 handwritten digits, split into clients
+with SCAFFOLD's s% similarity partition (SPEC 6.4, papers/004 Sec. 7).
+
+Data: `sklearn.datasets.load_digits` (1797 images of 8x8 pixels in 0..16, 10
+classes; shipped inside scikit-learn, so it is real data available offline). A
+fixed stratified split (independent of `--seed`, so every run evaluates on the
+same images) keeps 297 images for test and 1500 for training; the training
+images are dealt to `--num_clients` clients (default 100, i.e. 15 images each)
+with `--similarity` percent i.i.d. (default 0: label-sorted shards).
+
+Models (`--model`): `logistic` (multinomial logistic regression, 64 -> 10) and
+`mlp` (64 -> 100 ReLU -> 10), the convex and non-convex models of the paper.
+Evaluation: the test images (`eval/...`) and the whole training set
+(`eval_train/...`, the objective f(x) the federated clients jointly minimize).
+
+`--use_synthetic_data`: 600 generated images with the same element structure
+(8x8 pixels in 0..16, 10 classes), for fast runs.
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from pipeline.errors import UsageError
+from tasks import base
+from tasks import partition
+
+IMAGE_SIZE = 8
+NUM_PIXELS = IMAGE_SIZE * IMAGE_SIZE
+NUM_CLASSES = 10
+MAX_PIXEL = 16.0
+NUM_TEST_IMAGES = 297
+SPLIT_SEED = 0
+MODELS = ('logistic', 'mlp')
+DEFAULT_MODEL = 'logistic'
+DEFAULT_NUM_CLIENTS = 100
+DEFAULT_SIMILARITY = 0.0
+MLP_HIDDEN_UNITS = 100
+SYNTHETIC_NUM_IMAGES = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class DigitsArrays:
+  images: np.ndarray  # [n, 8, 8] float, pixel values in 0..16.
+  labels: np.ndarray  # [n] int64.
+
+
+def load_arrays(use_synthetic_data: bool) -> DigitsArrays:
+  if use_synthetic_data:
+    return synthetic_arrays(SYNTHETIC_NUM_IMAGES, seed=0)
+  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  digits = datasets.load_digits()
+  return DigitsArrays(digits.images.astype(np.float64),
+                      digits.target.astype(np.int64))
+
+
+def synthetic_arrays(num_images: int, seed: int) -> DigitsArrays:
+  """Noisy copies of one random prototype per class, pixels in 0..16."""
+  rng = np.random.default_rng(seed)
+  prototypes = rng.integers(0, 17, size=(NUM_CLASSES, IMAGE_SIZE, IMAGE_SIZE))
+  labels = np.arange(num_images, dtype=np.int64) % NUM_CLASSES
+  rng.shuffle(labels)
+  noise = rng.integers(-4, 5, size=(num_images, IMAGE_SIZE, IMAGE_SIZE))
+  images = np.clip(prototypes[labels] + noise, 0, 16).astype(np.float64)
+  return DigitsArrays(images, labels)
+
+
+def train_test_split(arrays: DigitsArrays, num_test: int):
+  """Fixed stratified split: the same test images for every run."""
+  from sklearn import model_selection  # pylint: disable=g-import-not-at-top
+  train_idx, test_idx = model_selection.train_test_split(
+      np.arange(len(arrays.labels)), test_size=num_test,
+      stratify=arrays.labels, random_state=SPLIT_SEED)
+  pick = lambda idx: DigitsArrays(arrays.images[idx], arrays.labels[idx])
+  return pick(np.sort(train_idx)), pick(np.sort(test_idx))
+
+
+def to_model_input(images: tf.Tensor) -> tf.Tensor:
+  """[n, 8, 8] pixels in 0..16 -> [n, 64] features in [0, 1]."""
+  return tf.reshape(tf.cast(images, tf.float32), [-1, NUM_PIXELS]) / MAX_PIXEL
+
+
+def build_keras_model(model: str) -> tf.keras.Model:
+  if model == 'logistic':
+    layers = [tf.keras.layers.Dense(NUM_CLASSES)]
+  elif model == 'mlp':
+    layers = [tf.keras.layers.Dense(MLP_HIDDEN_UNITS, activation='relu'),
+              tf.keras.layers.Dense(NUM_CLASSES)]
+  else:
+    raise UsageError(f'--model={model!r} is unknown for --task=digits; '
+                     f'allowed: {", ".join(MODELS)}')
+  return tf.keras.Sequential(
+      [tf.keras.layers.InputLayer(input_shape=(NUM_PIXELS,))] + layers)
+
+
+def client_id(index: int) -> str:
+  return f'{index:04d}'
+
+
+def _options(config: base.DataConfig):
+  options = config.options
+  model = options.get('model', DEFAULT_MODEL)
+  if model not in MODELS:
+    raise UsageError(f'--model={model!r} is unknown for --task=digits; '
+                     f'allowed: {", ".join(MODELS)}')
+  return (model, int(options.get('num_clients', DEFAULT_NUM_CLIENTS)),
+          float(options.get('similarity', DEFAULT_SIMILARITY)))
+
+
+def build_task(config: base.DataConfig) -> base.Task:
+  model, num_clients, similarity = _options(config)
+  arrays = load_arrays(config.use_synthetic_data)
+  num_test = (NUM_TEST_IMAGES if not config.use_synthetic_data else
+              SYNTHETIC_NUM_IMAGES // 6)
+  train, test = train_test_split(arrays, num_test)
+  client_indices = np.stack(partition.similarity_partition(
+      train.labels, num_clients, similarity, config.seed))
+
+  def client_dataset(client_id_tensor, seed):
+    # Client k's rows of the training set; the arrays become constants of
+    # the TFF computation (the whole training set is 1500 x 64 floats).
+    rows = tf.gather(tf.constant(client_indices),
+                     tf.strings.to_number(client_id_tensor, tf.int64))
+    examples = tf.data.Dataset.from_tensor_slices(
+        (tf.gather(to_model_input(train.images), rows),
+         tf.gather(tf.constant(train.labels), rows)))
+    return base.client_batches(examples, config, seed)
+
+  def eval_datasets():
+    def batched(split):
+      return tf.data.Dataset.from_tensor_slices(
+          (to_model_input(split.images), split.labels)).batch(
+              config.eval_batch_size)
+    return {'': batched(test), 'train': batched(train)}
+
+  serving = base.ServingSpec(
+      input_name='images',
+      input_spec=tf.TensorSpec([None, IMAGE_SIZE, IMAGE_SIZE], tf.float32),
+      preprocess=to_model_input,
+      postprocess=lambda logits: {
+          'probabilities': tf.nn.softmax(logits),
+          'classes': tf.argmax(logits, axis=-1)})
+  return base.Task(
+      name='digits',
+      train_client_ids=tuple(client_id(k) for k in range(num_clients)),
+      client_dataset_computation=base.client_dataset_computation(
+          client_dataset),
+      keras_model_fn=lambda: build_keras_model(model),
+      loss_fn=lambda: tf.keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True),
+      metrics_fn=lambda: [
+          tf.keras.metrics.SparseCategoricalAccuracy(name='accuracy')],
+      batch_spec=(tf.TensorSpec([None, NUM_PIXELS], tf.float32),
+                  tf.TensorSpec([None], tf.int64)),
+      eval_datasets_fn=eval_datasets,
+      serving=serving)

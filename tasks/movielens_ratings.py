@@ -1,0 +1,191 @@
+"""movielens_ratings: per-user rating prediction with FedRes (SPEC 6.7).
+
+Each MovieLens user is a client predicting its own ratings. The global model
+sees the movie (an id embedding and the genre vector); each user's local
+model maps the movie's genre vector to a personal offset (an affine map: the
+user's taste per genre plus the user's own rating bias), which never leaves
+the user. Each user's ratings are split in time: the latest TEST_FRACTION of
+them (at least one) are held out, the rest are the client's train data.
+Metrics: MSE loss, RMSE, MAE.
+
+Reads ML-100K `u.data` (user, item, rating, timestamp; tab separated) and
+`u.item` (`|` separated, Latin-1, the last 19 fields are genre flags) from
+`--movielens_dir`; nothing is downloaded.
+"""
+
+import collections
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from pipeline.errors import UsageError
+from tasks import base
+from tasks import client_arrays
+from tasks import residual
+
+RATINGS_FILE = 'u.data'
+MOVIES_FILE = 'u.item'
+NUM_GENRES = 19
+TEST_FRACTION = 0.2
+EMBEDDING_DIM = 8
+HIDDEN_UNITS = 16
+
+SYNTHETIC_USERS = 40
+SYNTHETIC_MOVIES = 60
+
+
+def _require_file(movielens_dir: str, name: str) -> str:
+  path = os.path.join(movielens_dir, name)
+  if not os.path.isfile(path):
+    raise UsageError(f'--movielens_dir={movielens_dir} has no {name} '
+                     '(MovieLens 100K files u.data and u.item are needed)')
+  return path
+
+
+def load_ratings(movielens_dir: str) -> dict[str, np.ndarray]:
+  """u.data -> columns user, movie, rating, timestamp."""
+  path = _require_file(movielens_dir, RATINGS_FILE)
+  try:
+    table = np.loadtxt(path, dtype=np.int64, delimiter='\t', ndmin=2)
+  except ValueError as e:
+    raise UsageError(f'{path} is not in the u.data format (user<TAB>item'
+                     f'<TAB>rating<TAB>timestamp): {e}') from e
+  if table.shape[1] != 4 or not table.size:
+    raise UsageError(f'{path} must have 4 tab-separated columns and at least '
+                     'one rating')
+  return {'user': table[:, 0], 'movie': table[:, 1],
+          'rating': table[:, 2].astype(np.float32), 'timestamp': table[:, 3]}
+
+
+def load_genres(movielens_dir: str) -> np.ndarray:
+  """u.item -> genre flags [max movie id + 1, 19] (row = movie id)."""
+  path = _require_file(movielens_dir, MOVIES_FILE)
+  rows = {}
+  with open(path, encoding='latin-1') as f:
+    for line_number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      fields = line.rstrip('\n').split('|')
+      try:
+        rows[int(fields[0])] = [int(flag) for flag in fields[-NUM_GENRES:]]
+      except (ValueError, IndexError) as e:
+        raise UsageError(f'{path}:{line_number} is not in the u.item format '
+                         f'(id|title|...|{NUM_GENRES} genre flags)') from e
+  genres = np.zeros((max(rows) + 1, NUM_GENRES), np.float32)
+  for movie, flags in rows.items():
+    genres[movie] = flags
+  return genres
+
+
+def synthetic_data(seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """Small ratings and genres with the structure of the real files."""
+  rng = np.random.default_rng([seed, 100])
+  genres = np.zeros((SYNTHETIC_MOVIES + 1, NUM_GENRES), np.float32)
+  genres[1:] = rng.random((SYNTHETIC_MOVIES, NUM_GENRES)) < 0.2
+  quality = rng.normal(0, 0.7, SYNTHETIC_MOVIES + 1)
+  columns = collections.defaultdict(list)
+  for user in range(1, SYNTHETIC_USERS + 1):
+    taste = rng.normal(0, 0.8, NUM_GENRES)
+    movies = rng.choice(np.arange(1, SYNTHETIC_MOVIES + 1),
+                        size=rng.integers(10, 30), replace=False)
+    scores = 3.5 + quality[movies] + genres[movies] @ taste
+    columns['user'].append(np.full(len(movies), user))
+    columns['movie'].append(movies)
+    columns['rating'].append(np.clip(np.round(
+        scores + rng.normal(0, 0.5, len(movies))), 1, 5).astype(np.float32))
+    columns['timestamp'].append(rng.integers(8.8e8, 8.9e8, len(movies)))
+  return {k: np.concatenate(v) for k, v in columns.items()}, genres
+
+
+def temporal_split(ratings: dict[str, np.ndarray],
+                   test_fraction: float = TEST_FRACTION
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """Boolean (train, test) masks: each user's latest ratings are test.
+
+  A user with n >= 2 ratings holds out max(1, round(test_fraction * n)) of
+  its latest ones (ties in time broken by movie id); a single rating stays
+  train.
+  """
+  order = np.lexsort((ratings['movie'], ratings['timestamp'], ratings['user']))
+  users = ratings['user'][order]
+  is_test = np.zeros(len(users), bool)
+  boundaries = np.flatnonzero(np.diff(users)) + 1
+  for start, end in zip(np.r_[0, boundaries], np.r_[boundaries, len(users)]):
+    count = end - start
+    if count >= 2:
+      num_test = max(1, int(round(test_fraction * count)))
+      is_test[end - num_test:end] = True
+  test = np.zeros(len(users), bool)
+  test[order] = is_test
+  return ~test, test
+
+
+def build_task(config: base.DataConfig) -> base.Task:
+  if config.use_synthetic_data:
+    ratings, genres = synthetic_data(config.seed)
+  else:
+    movielens_dir = config.options.get('movielens_dir')
+    if not movielens_dir:
+      raise UsageError('--movielens_dir is required for movielens_ratings '
+                       '(a directory with MovieLens 100K u.data and u.item), '
+                       'or pass --use_synthetic_data')
+    if not os.path.isdir(movielens_dir):
+      raise UsageError(f'--movielens_dir={movielens_dir} does not exist')
+    ratings, genres = load_ratings(movielens_dir), load_genres(movielens_dir)
+  if ratings['movie'].max() >= len(genres) or ratings['movie'].min() < 1:
+    raise UsageError('u.data rates movie ids missing from u.item')
+  if ratings['user'].min() < 0:
+    raise UsageError('u.data has negative user ids')
+  train_mask, test_mask = temporal_split(ratings)
+
+  def arrays(mask):
+    return client_arrays.ClientArrays(ratings['user'][mask], {
+        'movie_id': ratings['movie'][mask].astype(np.int32),
+        'rating': ratings['rating'][mask]})
+
+  num_movie_ids = len(genres)
+  mean_rating = float(ratings['rating'][train_mask].mean())
+
+  def model_input(movie_ids):
+    return collections.OrderedDict(
+        movie_id=movie_ids, genres=tf.gather(tf.constant(genres), movie_ids))
+
+  def to_batch(rows):
+    return model_input(rows['movie_id']), tf.expand_dims(rows['rating'], -1)
+
+  def global_model():
+    movie_id = tf.keras.Input(shape=(), dtype=tf.int32, name='movie_id')
+    genre_flags = tf.keras.Input(shape=(NUM_GENRES,), name='genres')
+    embedding = tf.keras.layers.Embedding(
+        num_movie_ids, EMBEDDING_DIM,
+        embeddings_initializer=tf.keras.initializers.RandomNormal(
+            stddev=0.05))(movie_id)
+    hidden = tf.keras.layers.Dense(HIDDEN_UNITS, activation='relu')(
+        tf.keras.layers.Concatenate()([embedding, genre_flags]))
+    rating = tf.keras.layers.Dense(
+        1, bias_initializer=tf.keras.initializers.Constant(mean_rating))(
+            hidden)
+    return tf.keras.Model({'movie_id': movie_id, 'genres': genre_flags},
+                          rating, name='global_model')
+
+  spec = residual.ResidualModelSpec(
+      global_model_fn=global_model,
+      # The user's taste: genre flags -> rating offset (zero at first).
+      local_model_fn=lambda: residual.linear_model(
+          (NUM_GENRES,), 1, use_bias=True, name='user_taste'),
+      split_inputs=lambda x: (x, x['genres']),
+      input_spec=collections.OrderedDict(
+          movie_id=tf.TensorSpec([None], tf.int32),
+          genres=tf.TensorSpec([None, NUM_GENRES], tf.float32)),
+      loss_fn=tf.keras.losses.MeanSquaredError,
+      metrics_fn=lambda: [
+          tf.keras.metrics.RootMeanSquaredError(name='rmse'),
+          tf.keras.metrics.MeanAbsoluteError(name='mae')])
+  serving = base.ServingSpec(
+      input_name='movie_ids', input_spec=tf.TensorSpec([None], tf.int32),
+      preprocess=model_input,
+      postprocess=lambda ratings: {'rating': tf.squeeze(ratings, -1)})
+  return client_arrays.build_task(
+      'movielens_ratings', config, arrays(train_mask), arrays(test_mask),
+      to_batch, tf.TensorSpec([None, 1], tf.float32), spec, serving)

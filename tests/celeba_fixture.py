@@ -1,0 +1,48 @@
+"""Writes a tiny celeba.sqlite in TFF's SqlClientData schema (real format)."""
+
+import sqlite3
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+ATTRIBUTES = tff.simulation.datasets.celeba.ATTRIBUTE_NAMES
+
+
+def _example(rng: np.random.Generator, smiling: bool) -> bytes:
+  image = rng.integers(0, 256, size=84 * 84 * 3)
+  features = {'image': tf.train.Feature(
+      int64_list=tf.train.Int64List(value=image.tolist()))}
+  for name in ATTRIBUTES:
+    value = int(smiling) if name == 'smiling' else int(rng.integers(0, 2))
+    features[name] = tf.train.Feature(int64_list=tf.train.Int64List(
+        value=[value]))
+  return tf.train.Example(features=tf.train.Features(
+      feature=features)).SerializeToString()
+
+
+def write_celeba_sqlite(path, train_clients=6, test_clients=2,
+                        examples_per_client=4, seed=0) -> dict:
+  """Returns {split: {client_id: [smiling flags]}} of what was written."""
+  rng = np.random.default_rng(seed)
+  written = {}
+  with sqlite3.connect(path) as connection:
+    connection.execute('CREATE TABLE examples (split_name TEXT NOT NULL, '
+                       'client_id TEXT NOT NULL, '
+                       'serialized_example_proto BLOB NOT NULL)')
+    connection.execute('CREATE TABLE client_metadata (client_id TEXT NOT NULL,'
+                       ' split_name TEXT NOT NULL, num_examples INTEGER NOT '
+                       'NULL)')
+    for split, count, offset in (('split_by_clients_train', train_clients, 0),
+                                 ('split_by_clients_test', test_clients, 100)):
+      written[split] = {}
+      for i in range(count):
+        client_id = str(offset + i)
+        smiles = [bool(j % 2) for j in range(examples_per_client)]
+        written[split][client_id] = smiles
+        for smiling in smiles:
+          connection.execute('INSERT INTO examples VALUES (?, ?, ?)',
+                             (split, client_id, _example(rng, smiling)))
+        connection.execute('INSERT INTO client_metadata VALUES (?, ?, ?)',
+                           (client_id, split, examples_per_client))
+  return written

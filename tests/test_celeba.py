@@ -1,0 +1,117 @@
+"""celeba_smile on a tiny celeba.sqlite in TFF's format, and synthetic data."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from pipeline.errors import UsageError
+from tasks import base
+from tasks import celeba
+from tests.celeba_fixture import write_celeba_sqlite
+
+
+@pytest.fixture(scope='module')
+def cache_dir(tmp_path_factory):
+  directory = tmp_path_factory.mktemp('tff_cache')
+  written = write_celeba_sqlite(directory / 'celeba.sqlite')
+  return str(directory), written
+
+
+def test_tff_loader_reads_the_fixture(cache_dir):
+  directory, written = cache_dir
+  train, test = tff.simulation.datasets.celeba.load_data(
+      split_by_clients=True, cache_dir=directory)
+  assert sorted(train.client_ids) == sorted(written['split_by_clients_train'])
+  assert sorted(test.client_ids) == sorted(written['split_by_clients_test'])
+  element = next(iter(train.create_tf_dataset_for_client('0')))
+  assert element['image'].shape == (84, 84, 3)
+  assert element['smiling'].dtype == tf.bool
+
+
+def _numpy_batches(dataset):
+  return [tuple(np.asarray(part) for part in batch) for batch in dataset]
+
+
+def _config(directory, mode, **kwargs):
+  return base.DataConfig(cache_dir=directory, client_batch_size=2,
+                         client_steps=2, central_batch_size=3,
+                         central_steps=2, options={'celeba_mode': mode},
+                         **kwargs)
+
+
+def test_mixed_mode_composite_clients_and_label_split(cache_dir):
+  directory, written = cache_dir
+  task = celeba.build_task(_config(directory, 'mixed'))
+  raw_ids = sorted(written['split_by_clients_train'])
+  assert task.num_train_clients == len(raw_ids) // celeba.COMPOSITE_SIZE
+  members = [cid.split(celeba.COMPOSITE_SEPARATOR)
+             for cid in task.train_client_ids]
+  assert sorted(sum(members, [])) == raw_ids
+  # Federated data: smiling only; K=2 batches of 2.
+  batches = _numpy_batches(task.client_dataset_computation(
+      id=task.train_client_ids[0], seed=1))
+  assert len(batches) == 2
+  for images, labels in batches:
+    assert images.shape[1:] == (84, 84, 3)
+    assert np.all(labels == 1.0)
+    assert 0.0 <= images.min() and images.max() <= 1.0
+  # Central data: non-smiling images of the train clients.
+  central = _numpy_batches(task.server_dataset_computation(5))
+  assert len(central) == 2
+  for images, labels in central:
+    assert images.shape[0] == 3 and np.all(labels == 0.0)
+  # Evaluation: every test image, both labels.
+  [(images, labels)] = _numpy_batches(task.eval_datasets_fn()[''])
+  num_test = sum(len(v) for v in written['split_by_clients_test'].values())
+  assert images.shape[0] == num_test
+  assert set(np.unique(labels)) == {0.0, 1.0}
+
+
+def test_same_seed_same_batches_other_seed_other_order(cache_dir):
+  directory, _ = cache_dir
+  task = celeba.build_task(_config(directory, 'federated'))
+  cid = task.train_client_ids[0]
+  first = [b[0] for b in _numpy_batches(
+      task.client_dataset_computation(id=cid, seed=3))]
+  again = [b[0] for b in _numpy_batches(
+      task.client_dataset_computation(id=cid, seed=3))]
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(a, b)
+  other = [b[0] for b in _numpy_batches(
+      task.client_dataset_computation(id=cid, seed=4))]
+  assert any(not np.array_equal(a, b) for a, b in zip(first, other))
+
+
+def test_federated_mode_has_both_labels_and_no_server_data(cache_dir):
+  directory, written = cache_dir
+  task = celeba.build_task(base.DataConfig(
+      cache_dir=directory, client_batch_size=8,
+      options={'celeba_mode': 'federated'}))
+  assert sorted(task.train_client_ids) == sorted(
+      written['split_by_clients_train'])
+  assert task.server_dataset_computation is None
+  [(_, labels)] = _numpy_batches(
+      task.client_dataset_computation(id='0', seed=0))
+  assert set(np.unique(labels)) == {0.0, 1.0}
+
+
+def test_synthetic_data_has_the_real_element_structure(cache_dir):
+  directory, _ = cache_dir
+  real_train, _ = tff.simulation.datasets.celeba.load_data(cache_dir=directory)
+  synthetic_train, _ = celeba._load_client_data(  # pylint: disable=protected-access
+      base.DataConfig(use_synthetic_data=True))
+  assert synthetic_train.element_type_structure == (
+      real_train.element_type_structure)
+
+
+def test_missing_cache_dir_is_a_usage_error(tmp_path):
+  with pytest.raises(UsageError, match='--cache_dir=.*does not exist'):
+    celeba.build_task(_config(str(tmp_path / 'missing'), 'mixed'))
+  with pytest.raises(UsageError, match='has no celeba.sqlite'):
+    celeba.build_task(_config(str(tmp_path), 'mixed'))
+
+
+def test_unknown_mode_is_a_usage_error(cache_dir):
+  with pytest.raises(UsageError, match='celeba_mode'):
+    celeba.build_task(_config(cache_dir[0], 'sideways'))

@@ -1,0 +1,107 @@
+"""Per-task flag defaults, binaries.plot, and a mixed FL usage error of train."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+from binaries import flags_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+
+
+@pytest.fixture
+def parse_flags():
+  """Parses a command line into absl FLAGS; restores defaults afterwards."""
+
+  def parse(*args):
+    FLAGS.unparse_flags()
+    FLAGS(['train', *args])
+
+  yield parse
+  FLAGS.unparse_flags()
+
+
+def test_celeba_defaults_are_the_papers(parse_flags):
+  parse_flags('--task=celeba_smile', '--algorithm=mixed_pt')
+  applied = flags_lib.apply_task_defaults('celeba_smile')
+  expected = dict(clients_per_round=100, client_batch_size=5, client_steps=2,
+                  client_learning_rate=0.01, server_learning_rate=1.0,
+                  central_batch_size=500, central_learning_rate=0.01,
+                  merge_learning_rate=1.0, federated_weight=0.5,
+                  central_weight=0.5)
+  assert applied == expected
+  for name, value in expected.items():
+    assert FLAGS[name].value == pytest.approx(value), name
+
+
+def test_task_defaults_yield_to_the_command_line(parse_flags):
+  parse_flags('--task=celeba_smile', '--algorithm=mixed_1wgt',
+              '--client_learning_rate=0.05', '--server_learning_rate=2',
+              '--client_epochs=3', '--use_synthetic_data')
+  applied = flags_lib.apply_task_defaults('celeba_smile')
+  assert 'client_learning_rate' not in applied
+  # --client_epochs was chosen instead of K.
+  assert 'client_steps' not in applied and FLAGS.client_steps is None
+  assert applied['central_batch_size'] == 1000  # 1-w GT: one K*S*|B_i| batch
+  # eta_c = eta * eta_s, from the user's values.
+  assert applied['central_learning_rate'] == pytest.approx(0.1)
+  assert applied['clients_per_round'] == 10  # synthetic: 20 clients
+
+
+def test_unknown_task_has_no_defaults(parse_flags):
+  parse_flags('--task=other')
+  assert flags_lib.apply_task_defaults('other') == {}
+
+
+def _run(*args):
+  return subprocess.run([sys.executable, '-m', *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+
+
+def _write_run(run_dir, aucs):
+  os.makedirs(run_dir)
+  with open(os.path.join(run_dir, 'metrics.csv'), 'w', newline='') as f:
+    writer = csv.writer(f)
+    writer.writerow(['round_num', 'eval/auc', 'train/loss'])
+    for round_num, auc in enumerate(aucs, start=1):
+      writer.writerow([round_num, '' if auc is None else auc, 0.5])
+
+
+def test_plot_writes_one_png_of_several_runs(tmp_path):
+  _write_run(tmp_path / 'a', [0.5, None, 0.7])
+  _write_run(tmp_path / 'b', [0.6, 0.8, 0.9])
+  output = tmp_path / 'plots' / 'auc.png'
+  result = _run('binaries.plot', str(tmp_path / 'a'), str(tmp_path / 'b'),
+                '--metric=eval/auc', f'--output={output}')
+  assert result.returncode == 0, result.stderr
+  with open(output, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def test_plot_rejects_an_unknown_metric(tmp_path):
+  _write_run(tmp_path / 'a', [0.5])
+  output = tmp_path / 'x.png'
+  result = _run('binaries.plot', str(tmp_path / 'a'), '--metric=eval/nope',
+                f'--output={output}')
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      f'error: --metric=eval/nope is not a column of '
+      f'{tmp_path / "a" / "metrics.csv"}; allowed: eval/auc, train/loss']
+  assert not output.exists()
+
+
+def test_train_explains_that_pt_needs_k(tmp_path):
+  result = _run('binaries.train', '--task=celeba_smile',
+                '--algorithm=mixed_pt', '--use_synthetic_data',
+                '--client_epochs=1', '--experiment_name=no_k',
+                f'--root_output_dir={tmp_path}')
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1] == (
+      'error: --algorithm=mixed_pt needs --client_steps (K): its central '
+      'model takes K steps per round')
+  assert not (tmp_path / 'no_k').exists()

@@ -1,0 +1,88 @@
+"""SCAFFOLD / FedPVR special cases, equal to float rounding (SPEC 5.3, 5.4).
+
+On the linear task of scaffold_testlib (unequal clients, 2 of 4 sampled per
+round, eta_s = 0.5), through `pipeline.driver.train`, comparing the final
+model weights and metrics.csv's train/loss (1e-6 relative):
+  fedpvr --pvr_last_layers=0 == fedavg. The fedavg baseline is tff.learning's
+    build_weighted_fed_avg, which weights clients by examples processed; our
+    default `--client_weighting=num_examples` does the same, and the clients
+    here process different numbers of examples, so the weighting is compared.
+  fedpvr with every variable masked == scaffold Option II.
+  scaffold with c and every c_i forced to zero each round == fedavg.
+"""
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+import scaffold_testlib as lib
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  return lib.make_runner(lib.build_linear_task(),
+                         str(tmp_path_factory.mktemp('scaffold_equalities')))
+
+
+def test_fedpvr_without_mask_equals_fedavg(run):
+  fedavg = run('fedavg', 'fedavg')
+  fedpvr = run('fedpvr_L0', 'fedpvr', pvr_last_layers=0)
+  lib.assert_equal_runs(fedpvr, fedavg)
+  assert fedpvr.result.server_state['control_variate'] == []
+  lib.assert_close_to_reference(fedavg, lib.reference_run(
+      (False, False), option=2, weighting='num_examples'))
+
+
+def test_fedpvr_masking_everything_equals_scaffold_option2(run):
+  scaffold = run('scaffold2', 'scaffold', scaffold_option=2)
+  fedpvr = run('fedpvr_all', 'fedpvr', pvr_last_layers=99)
+  lib.assert_equal_runs(fedpvr, scaffold)
+  for x, y in zip(fedpvr.result.server_state['control_variate'],
+                  scaffold.result.server_state['control_variate'],
+                  strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def with_control_variates_zeroed(algorithm):
+  """The same process, with c and every c_i set to zero before each round."""
+  inner = algorithm.process
+  state_type = inner.initialize.type_signature.result
+  inputs_type = inner.next.type_signature.parameter[1]
+
+  @tff.tensorflow.computation(state_type.member)
+  def zero_server_cv(state):
+    return collections.OrderedDict(
+        model=state['model'],
+        control_variate=[tf.zeros_like(c) for c in state['control_variate']],
+        optimizer_state=state['optimizer_state'])
+
+  @tff.tensorflow.computation(inputs_type.member.state)
+  def zero_client_cv(client_state):
+    return collections.OrderedDict(control_variate=[
+        tf.zeros_like(c) for c in client_state['control_variate']])
+
+  @tff.federated_computation(state_type, inputs_type)
+  def next_fn(state, client_inputs):
+    zeroed_inputs = tff.federated_zip(collections.OrderedDict(
+        data=client_inputs.data,
+        state=tff.federated_map(zero_client_cv, client_inputs.state)))
+    return inner.next(tff.federated_map(zero_server_cv, state), zeroed_inputs)
+
+  return dataclasses.replace(
+      algorithm,
+      process=tff.templates.IterativeProcess(inner.initialize, next_fn))
+
+
+def test_scaffold_with_zero_control_variates_equals_fedavg(run):
+  fedavg = run('fedavg', 'fedavg')
+  zeroed = run('scaffold_zeroed', 'scaffold',
+               wrap=with_control_variates_zeroed)
+  lib.assert_equal_runs(zeroed, fedavg)
+  # Without forcing, SCAFFOLD departs from FedAvg after the first round.
+  scaffold = run('scaffold2', 'scaffold', scaffold_option=2)
+  assert not np.allclose(lib.weights(scaffold)[0], lib.weights(fedavg)[0],
+                         rtol=1e-4)

@@ -1,0 +1,344 @@
+"""Mixed FL processes: Parallel Training, 1-way and 2-way Gradient Transfer.
+
+papers/002 Algorithms 1 and 2 (SPEC 5.2) as dataset-level processes of the
+common contract (tff_algos.contract). The math lives in `mixed_tf`; here TFF
+only places it: the central work runs at the server on the round's central
+batches (or on a data-free central loss), the server broadcasts the model
+(plus the augmenting gradient for GT), clients train, and the server
+aggregates and updates.
+
+Server state (an OrderedDict, checkpointed by the driver):
+  model_weights       x
+  server_optimizer    ServerOpt state
+  merge_optimizer     MergeOpt state                     (PT, 2-w GT)
+  gtilde_c, gtilde_f  augmenting gradients, start at 0   (2-w GT)
+ClientOpt and CentralOpt start fresh every round: the central model is a
+"meta-client" that, like the clients, takes K steps from x. Non-trainable
+weights are not trained; the server keeps its own (as tff.learning's FedAvg).
+
+Metrics: `train/*` (the model's metrics on the clients' batches, summed over
+the cohort), `central/loss` (mean unweighted central loss of the round) and
+`central/num_steps`, `diagnostics/gtilde_squared` and
+`diagnostics/btilde_squared` with `mixed_diagnostics` (eq. 7), and
+`communication/bytes_{down,up}_per_client`.
+"""
+
+import collections
+import functools
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from pipeline.errors import UsageError
+from tff_algos import communication
+from tff_algos import contract
+from tff_algos import mixed_tf
+from tff_algos import optimizers
+from tff_algos.config import AlgorithmConfig
+
+PARALLEL_TRAINING = 'mixed_pt'
+ONE_WAY_GT = 'mixed_1wgt'
+TWO_WAY_GT = 'mixed_2wgt'
+NAMES = (PARALLEL_TRAINING, ONE_WAY_GT, TWO_WAY_GT)
+
+_COMMON_FLAGS = ('client_optimizer', 'client_learning_rate', 'server_optimizer',
+                 'server_learning_rate', 'central_batch_size',
+                 'federated_weight', 'central_weight', 'mixed_diagnostics')
+_CENTRAL_MODEL_FLAGS = ('central_optimizer', 'central_learning_rate',
+                        'merge_optimizer', 'merge_learning_rate')
+FLAG_NAMES = {
+    PARALLEL_TRAINING: _COMMON_FLAGS + _CENTRAL_MODEL_FLAGS,
+    ONE_WAY_GT: _COMMON_FLAGS,
+    TWO_WAY_GT: _COMMON_FLAGS + _CENTRAL_MODEL_FLAGS,
+}
+
+
+def _validate(name: str, config: AlgorithmConfig) -> None:
+  for flag in ('federated_weight', 'central_weight'):
+    value = getattr(config, flag)
+    if not value >= 0:
+      raise UsageError(f'--{flag} must be >= 0, got {value}')
+  if config.mixed_diagnostics and not (config.federated_weight > 0 and
+                                       config.central_weight > 0):
+    raise UsageError('--mixed_diagnostics needs --federated_weight > 0 and '
+                     '--central_weight > 0 (eq. 7 divides by both)')
+  if name != ONE_WAY_GT and config.central_steps is None:
+    raise UsageError(
+        f'--algorithm={name} needs --client_steps (K): its central model '
+        'takes K steps per round')
+  if config.central_steps is not None and config.central_steps < 1:
+    raise UsageError(f'--client_steps must be >= 1, got {config.central_steps}')
+
+
+def _weights_to_numpy(weights: tff.learning.models.ModelWeights):
+  return tff.learning.models.ModelWeights(
+      trainable=[np.asarray(w) for w in weights.trainable],
+      non_trainable=[np.asarray(w) for w in weights.non_trainable])
+
+
+def _get_model_weights(state) -> tff.learning.models.ModelWeights:
+  return state['model_weights']
+
+
+def _set_model_weights(state, weights: tff.learning.models.ModelWeights):
+  state = collections.OrderedDict(state)
+  state['model_weights'] = _weights_to_numpy(weights)
+  return state
+
+
+def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableModel],
+                config: AlgorithmConfig) -> contract.FederatedAlgorithm:
+  """The mixed FL algorithm `name` (one of NAMES) under the contract.
+
+  With `config.central_loss_fn` the central loss is data-free: the process
+  takes no server data and the central model evaluates that function.
+  """
+  if name not in NAMES:
+    raise ValueError(f'unknown mixed FL algorithm {name!r}')
+  _validate(name, config)
+  has_central_model = name != ONE_WAY_GT
+  transfers_gradients = name != PARALLEL_TRAINING
+  keeps_augmenting_gradients = name == TWO_WAY_GT
+  data_free = config.central_loss_fn is not None
+  diagnostics = config.mixed_diagnostics
+  w_f, w_c = config.federated_weight, config.central_weight
+  client_lr = config.client_learning_rate
+  central_lr = config.central_learning_rate
+
+  client_optimizer = optimizers.build(config.client_optimizer, client_lr,
+                                      'client_optimizer')
+  server_optimizer = optimizers.build(config.server_optimizer,
+                                      config.server_learning_rate,
+                                      'server_optimizer')
+  central_optimizer = merge_optimizer = None
+  if has_central_model:
+    central_optimizer = optimizers.build(config.central_optimizer, central_lr,
+                                         'central_optimizer')
+    merge_optimizer = optimizers.build(config.merge_optimizer,
+                                       config.merge_learning_rate,
+                                       'merge_optimizer')
+  if data_free:
+    central_loss = mixed_tf.DataFreeCentralLoss(config.central_loss_fn)
+  else:
+    central_loss = mixed_tf.DataCentralLoss()
+
+  with tf.Graph().as_default():
+    model = model_fn()
+    metric_finalizers = model.metric_finalizers()
+    batch_type = tff.types.tensorflow_to_type(model.input_spec)
+  data_type = tff.SequenceType(batch_type)
+  weights_type = tff.learning.models.weights_type_from_model(model)
+  trainable_type = weights_type.trainable
+  trainable_specs = tuple(
+      tf.TensorSpec(t.shape, t.dtype) for t in trainable_type.children())
+
+  # --- Initialization -------------------------------------------------------
+
+  @tff.tensorflow.computation
+  def initial_state():
+    weights = tff.learning.models.ModelWeights.from_model(model_fn())
+    weights = tf.nest.map_structure(lambda v: v.read_value(), weights)
+    state = collections.OrderedDict(
+        model_weights=tff.learning.models.ModelWeights(
+            list(weights.trainable), list(weights.non_trainable)),
+        server_optimizer=server_optimizer.initialize(trainable_specs))
+    if has_central_model:
+      state['merge_optimizer'] = merge_optimizer.initialize(trainable_specs)
+    if keeps_augmenting_gradients:
+      state['gtilde_c'] = mixed_tf.zeros_like(list(weights.trainable))
+      state['gtilde_f'] = mixed_tf.zeros_like(list(weights.trainable))
+    return state
+
+  @tff.federated_computation
+  def initialize():
+    return tff.federated_eval(initial_state, tff.SERVER)
+
+  state_type = initialize.type_signature.result.member
+
+  # --- Central work (at the server) ------------------------------------------
+
+  central_input_fields = [('model_weights', weights_type)]
+  if keeps_augmenting_gradients:
+    central_input_fields.append(('gtilde_f', trainable_type))
+  if not data_free:
+    central_input_fields.append(('central_batches', data_type))
+  central_input_type = tff.StructWithPythonType(central_input_fields,
+                                                collections.OrderedDict)
+
+  @tff.tensorflow.computation(central_input_type)
+  def central_work(inputs):
+    if data_free:
+      elements = central_loss.elements(
+          config.central_steps if has_central_model else 1)
+    elif has_central_model:
+      elements = inputs['central_batches'].take(config.central_steps)
+    else:
+      elements = inputs['central_batches']
+    if not has_central_model:
+      return mixed_tf.central_gradient(model_fn(), inputs['model_weights'],
+                                       elements, central_loss, w_c)
+    gtilde_f = inputs['gtilde_f'] if keeps_augmenting_gradients else None
+    return mixed_tf.central_update(model_fn(), central_optimizer,
+                                   inputs['model_weights'], elements,
+                                   central_loss, gtilde_f, w_c)
+
+  # --- Client work ----------------------------------------------------------
+
+  payload_fields = [('model_weights', weights_type)]
+  if transfers_gradients:
+    payload_fields.append(('augmenting_gradient', trainable_type))
+  payload_type = tff.StructWithPythonType(payload_fields,
+                                          collections.OrderedDict)
+
+  @tff.tensorflow.computation(payload_type, data_type)
+  def client_work(payload, dataset):
+    augmenting_gradient = (payload['augmenting_gradient']
+                           if transfers_gradients else None)
+    output = mixed_tf.client_update(
+        model_fn(), client_optimizer, payload['model_weights'], dataset,
+        augmenting_gradient, w_f, record_first_gradient=diagnostics)
+    uploaded = ['delta', 'weight', 'metrics']
+    if keeps_augmenting_gradients:
+      uploaded.append('num_steps')  # K_i, for eq. 10.
+    result = collections.OrderedDict(
+        upload=collections.OrderedDict((k, output[k]) for k in uploaded))
+    if diagnostics:
+      # Simulation-only measurement: not part of the algorithm's upload.
+      result['first_gradient'] = output['first_gradient']
+    return result
+
+  @tff.tensorflow.computation(data_type)
+  def no_client_state(dataset):
+    del dataset
+    return collections.OrderedDict()
+
+  # --- Server update ----------------------------------------------------------
+
+  server_input_fields = [
+      ('state', state_type),
+      ('central', central_work.type_signature.result),
+      ('client_delta_mean', trainable_type),
+      ('client_weight_sum', np.float32)]
+  if keeps_augmenting_gradients:
+    server_input_fields += [('client_delta_sum', trainable_type),
+                            ('client_steps_sum', np.float32)]
+
+  @tff.tensorflow.computation(
+      tff.StructWithPythonType(server_input_fields, collections.OrderedDict))
+  def server_update(inputs):
+    state, central = inputs['state'], inputs['central']
+    x = list(state['model_weights'].trainable)
+    delta = mixed_tf.mean_client_delta(list(inputs['client_delta_mean']),
+                                       inputs['client_weight_sum'])
+    new_state = collections.OrderedDict()
+    server_state, x_f = mixed_tf.apply_delta(
+        server_optimizer, state['server_optimizer'], x, delta)
+    new_state['server_optimizer'] = server_state
+    if has_central_model:
+      delta_f = mixed_tf.subtract(x_f, x)
+      merged = mixed_tf.add(list(central['delta']), delta_f)
+      merge_state, new_x = mixed_tf.apply_delta(
+          merge_optimizer, state['merge_optimizer'], x, merged)
+      new_state['merge_optimizer'] = merge_state
+    else:
+      new_x = x_f
+    if keeps_augmenting_gradients:
+      gtilde_c = list(state['gtilde_c'])
+      gtilde_f = list(state['gtilde_f'])
+      new_state['gtilde_c'] = mixed_tf.updated_gtilde_c(
+          list(central['delta']), central_lr, central['num_steps'], gtilde_f,
+          gtilde_c)
+      new_state['gtilde_f'] = mixed_tf.updated_gtilde_f(
+          list(inputs['client_delta_sum']), client_lr,
+          inputs['client_steps_sum'], gtilde_c, gtilde_f)
+    new_state['model_weights'] = tff.learning.models.ModelWeights(
+        new_x, list(state['model_weights'].non_trainable))
+    # Same field order as the initial state.
+    return collections.OrderedDict(
+        (key, new_state[key]) for key in tff.structure.name_list(state_type))
+
+  @tff.tensorflow.computation(trainable_type, trainable_type)
+  def diagnostics_fn(federated_gradient, central_gradient):
+    return mixed_tf.mixing_diagnostics(list(federated_gradient),
+                                       list(central_gradient), w_f, w_c)
+
+  # --- One round ------------------------------------------------------------
+
+  def _round(state, client_data, server_data):
+    weights = state.model_weights
+    central_inputs = collections.OrderedDict(model_weights=weights)
+    if keeps_augmenting_gradients:
+      central_inputs['gtilde_f'] = state.gtilde_f
+    if server_data is not None:
+      central_inputs['central_batches'] = server_data
+    central = tff.federated_map(central_work,
+                                tff.federated_zip(central_inputs))
+
+    payload = collections.OrderedDict(model_weights=weights)
+    if name == ONE_WAY_GT:
+      payload['augmenting_gradient'] = central.gradient
+    elif name == TWO_WAY_GT:
+      payload['augmenting_gradient'] = state.gtilde_c
+    broadcast = tff.federated_broadcast(tff.federated_zip(payload))
+    client_outputs = tff.federated_map(client_work, (broadcast, client_data))
+    upload = client_outputs.upload
+
+    server_inputs = collections.OrderedDict(
+        state=state, central=central,
+        client_delta_mean=tff.federated_mean(upload.delta,
+                                             weight=upload.weight),
+        client_weight_sum=tff.federated_sum(upload.weight))
+    if keeps_augmenting_gradients:
+      server_inputs['client_delta_sum'] = tff.federated_sum(upload.delta)
+      server_inputs['client_steps_sum'] = tff.federated_sum(upload.num_steps)
+    new_state = tff.federated_map(server_update,
+                                  tff.federated_zip(server_inputs))
+
+    train_metrics = tff.learning.metrics.sum_then_finalize(
+        metric_finalizers, upload.metrics.type_signature.member)(
+            upload.metrics)
+    metrics = collections.OrderedDict(
+        train=train_metrics,
+        central=tff.federated_zip(collections.OrderedDict(
+            loss=central.loss, num_steps=central.num_steps)))
+    if diagnostics:
+      central_gradient = (central.gradient if name == ONE_WAY_GT else
+                          central.first_gradient)
+      federated_gradient = tff.federated_mean(client_outputs.first_gradient)
+      metrics['diagnostics'] = tff.federated_map(
+          diagnostics_fn,
+          tff.federated_zip((federated_gradient, central_gradient)))
+    metrics['communication'] = communication.metrics_at_server(
+        communication.type_bytes(broadcast.type_signature),
+        communication.type_bytes(upload.type_signature))
+    return (new_state, tff.federated_map(no_client_state, client_data),
+            tff.federated_zip(metrics))
+
+  state_at_server = tff.FederatedType(state_type, tff.SERVER)
+  data_at_clients = tff.FederatedType(data_type, tff.CLIENTS)
+  if data_free:
+
+    @tff.federated_computation(state_at_server, data_at_clients)
+    def next_fn(state, client_data):
+      return _round(state, client_data, None)
+  else:
+
+    @tff.federated_computation(state_at_server, data_at_clients,
+                               tff.FederatedType(data_type, tff.SERVER))
+    def next_fn(state, client_data, server_data):
+      return _round(state, client_data, server_data)
+
+  return contract.FederatedAlgorithm(
+      name=name,
+      process=tff.templates.IterativeProcess(initialize, next_fn),
+      get_model_weights=_get_model_weights,
+      set_model_weights=_set_model_weights,
+      uses_server_data=not data_free,
+      flag_names=FLAG_NAMES[name])
+
+
+build_mixed_pt = functools.partial(build_mixed, PARALLEL_TRAINING)
+build_mixed_1wgt = functools.partial(build_mixed, ONE_WAY_GT)
+build_mixed_2wgt = functools.partial(build_mixed, TWO_WAY_GT)
