@@ -53,6 +53,7 @@ def plot(run_dirs: list[str], metric: str, output: str,
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
 
   # Every file is read before anything is written.
   curves = [read_curve(run_dir, metric) for run_dir in run_dirs]
@@ -60,6 +61,7 @@ def plot(run_dirs: list[str], metric: str, output: str,
   for (rounds, values), label in zip(curves, labels):
     axes.plot(rounds, values, label=label, marker='.' if len(rounds) < 30
               else None)
+  axes.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
   axes.set_xlabel('round')
   axes.set_ylabel(metric)
   axes.set_title(title)
