@@ -10,9 +10,12 @@ prints one line per round: clients ever sampled (from the driver's seeded
 sampling), RSS, and the store's size on disk. With `--client_state_store=sqlite`
 RSS stays flat while the clients ever sampled (and the file) grow; the
 `memory` backend, shown for contrast, grows by about one c_i per new client.
+`--algorithm=fedavg` (no client state) is the control for what TFF's own
+runtime does over the same rounds.
 
   python -m benchmarks.scaffold_store_memory
   python -m benchmarks.scaffold_store_memory --backends=sqlite --rounds=20
+  python -m benchmarks.scaffold_store_memory --algorithm=fedavg --backends=memory
 
 Run it from the repository root (`python -m`), so this checkout's code is used.
 """
@@ -89,12 +92,13 @@ def train_child(args) -> None:
   tff_runtime.configure_execution()
   task = build_population_task(args.population, args.examples_per_client,
                                args.hidden)
-  algorithm = registry.build_algorithm('scaffold', task.model_fn,
+  algorithm = registry.build_algorithm(args.algorithm, task.model_fn,
                                        AlgorithmConfig(
                                            client_learning_rate=0.1,
                                            num_train_clients=args.population))
   driver.train(algorithm, task, driver.RunConfig(
-      root_output_dir=args.root_output_dir, experiment_name=args.backend,
+      root_output_dir=args.root_output_dir,
+      experiment_name=f'{args.algorithm}_{args.backend}',
       total_rounds=args.rounds, clients_per_round=args.clients_per_round,
       rounds_per_eval=args.rounds, rounds_per_checkpoint=args.rounds,
       seed=args.seed, client_state_store=args.backend, export=False))
@@ -134,10 +138,10 @@ def measure(backend: str, args) -> list[dict]:
   """Runs the child and returns one record per finished round."""
   import psutil  # pylint: disable=g-import-not-at-top
   from pipeline import driver  # pylint: disable=g-import-not-at-top
-  run_dir = os.path.join(args.root_output_dir, backend)
+  run_dir = os.path.join(args.root_output_dir, f'{args.algorithm}_{backend}')
   shutil.rmtree(run_dir, ignore_errors=True)
   command = [sys.executable, '-m', 'benchmarks.scaffold_store_memory',
-             '--child', f'--backend={backend}',
+             '--child', f'--backend={backend}', f'--algorithm={args.algorithm}',
              f'--root_output_dir={args.root_output_dir}',
              f'--population={args.population}', f'--rounds={args.rounds}',
              f'--clients_per_round={args.clients_per_round}',
@@ -148,7 +152,8 @@ def measure(backend: str, args) -> list[dict]:
   process = psutil.Process(child.pid)
   ever_sampled = set()
   records = []
-  print(f'\n--client_state_store={backend}: population {args.population}, '
+  print(f'\n{args.algorithm}, --client_state_store={backend}: population '
+        f'{args.population}, '
         f'{args.clients_per_round} clients per round, c_i of '
         f'{args.hidden * (NUM_FEATURES + 1 + NUM_CLASSES) + NUM_CLASSES} '
         'floats')
@@ -179,20 +184,26 @@ def measure(backend: str, args) -> list[dict]:
   return records
 
 
-def summarize(backend: str, records: list[dict]) -> None:
-  # Compare the peak RSS over the first and last quarter of the rounds,
-  # leaving out round 1 (compilation).
+def summarize(label: str, records: list[dict]) -> None:
+  """Peak RSS over the first and the last quarter of the rounds.
+
+  Round 1 (compilation) is left out. The training process holds the store;
+  TFF's worker process is reported apart.
+  """
   body = records[1:]
   quarter = max(1, len(body) // 4)
   first, last = body[:quarter], body[-quarter:]
-  rss = lambda rs: max(r['rss'] + r['worker_rss'] for r in rs)
   sampled = lambda rs: rs[-1]['ever_sampled']
-  growth = rss(last) - rss(first)
-  new_clients = sampled(last) - sampled(first)
-  print(f'{backend}: peak RSS (train + worker) {rss(first):.0f} MB with '
-        f'{sampled(first)} clients ever sampled -> {rss(last):.0f} MB with '
-        f'{sampled(last)}: {growth:+.0f} MB, '
-        f'{1000 * growth / max(new_clients, 1):+.2f} MB per 1000 new clients')
+  new_clients = max(sampled(last) - sampled(first), 1)
+  parts = []
+  for name, key in (('training process', 'rss'), ('TFF worker', 'worker_rss')):
+    before = max(r[key] for r in first)
+    after = max(r[key] for r in last)
+    parts.append(f'{name} {before:.0f} -> {after:.0f} MB '
+                 f'({1000 * (after - before) / new_clients:+.1f} MB per 1000 '
+                 'new clients)')
+  print(f'{label}, clients ever sampled {sampled(first)} -> {sampled(last)}: '
+        + '; '.join(parts))
 
 
 def main() -> None:
@@ -203,6 +214,8 @@ def main() -> None:
   parser.add_argument('--examples_per_client', type=int, default=4)
   parser.add_argument('--hidden', type=int, default=128)
   parser.add_argument('--backends', default='sqlite,memory')
+  parser.add_argument('--algorithm', default='scaffold',
+                      choices=('scaffold', 'fedavg'))
   parser.add_argument('--root_output_dir', default=None,
                       help='Default: a temporary directory, deleted after.')
   parser.add_argument('--poll_seconds', type=float, default=0.5)
@@ -220,7 +233,7 @@ def main() -> None:
     results = {b: measure(b, args) for b in args.backends.split(',')}
     print()
     for backend, records in results.items():
-      summarize(backend, records)
+      summarize(f'{args.algorithm}, {backend}', records)
   finally:
     if temporary:
       shutil.rmtree(args.root_output_dir, ignore_errors=True)
