@@ -15,6 +15,7 @@ the batches of a fresh pass over the dataset.
 
 import collections
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -71,59 +72,124 @@ def _read(variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
   return [tf.identity(v.read_value()) for v in variables]
 
 
+# How the code below runs. Each per-batch step is its own tf.function. A
+# client update loops over the dataset calling them: inside a graph (a TFF
+# computation) the whole update is one tf.function whose loops AutoGraph turns
+# into while loops; called eagerly (in-process rounds and evaluation) the loop
+# runs in Python and each step is one compiled call. Both run the same steps;
+# the eager path avoids making a dataset iterator inside a graph per client,
+# which costs far more than the steps of a small model.
+
+
+def _step(fn):
+  # Batch shapes vary (last batch, client sizes): trace once for any shape.
+  return tf.function(fn, reduce_retracing=True)
+
+
+def _graph_or_eager(fn):
+  """`fn` as one tf.function inside a graph, plain Python when eager."""
+  compiled = tf.function(fn)
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    if tf.executing_eagerly():
+      return fn(*args, **kwargs)
+    return compiled(*args, **kwargs)
+
+  return run
+
+
+@_step
+def _local_step(model: ResidualModel, batch, local_learning_rate: float):
+  """theta <- theta - lambda grad_theta l(w, theta), w fixed. -> (loss, n)."""
+  with tf.GradientTape() as tape:
+    loss = model.batch_loss(batch)
+  gradients = _dense_gradients(tape, loss, model.local_weights)
+  for variable, gradient in zip(model.local_weights, gradients):
+    variable.assign_sub(local_learning_rate * gradient)
+  return loss, num_examples_in(batch)
+
+
+@_step
+def _joint_step(model: ResidualModel, batch, learning_rate: float,
+                local_learning_rate: float):
+  """FedResNaive: w_i and theta step together from one gradient at (w_i,
+  theta). The paper calls the two updates simultaneous, so theta chases the
+  temporary w_i that the server's averaging later overwrites. -> (loss, n)."""
+  variables = model.global_weights + model.local_weights
+  with tf.GradientTape() as tape:
+    loss = model.batch_loss(batch)
+  gradients = _dense_gradients(tape, loss, variables)
+  num_global = len(model.global_weights)
+  for i, (variable, gradient) in enumerate(zip(variables, gradients)):
+    rate = learning_rate if i < num_global else local_learning_rate
+    variable.assign_sub(rate * gradient)
+  return loss, num_examples_in(batch)
+
+
+@_step
+def _global_gradient(model: ResidualModel, batch):
+  """(grad_w l(w, theta), n) at the model's current weights."""
+  with tf.GradientTape() as tape:
+    loss = model.batch_loss(batch)
+  return (tuple(_dense_gradients(tape, loss, model.global_weights)),
+          num_examples_in(batch))
+
+
+@_step
+def _corrected_global_step(model: ResidualModel, batch, learning_rate: float,
+                           correction):
+  """w_i <- w_i - eta (g - c_i + c) with g = grad_w l(w_i, theta), theta
+  fixed; `correction` is c - c_i (None: Option I). -> g."""
+  with tf.GradientTape() as tape:
+    loss = model.batch_loss(batch)
+  gradients = _dense_gradients(tape, loss, model.global_weights)
+  directions = gradients if correction is None else [
+      g + c for g, c in zip(gradients, correction)]
+  for variable, direction in zip(model.global_weights, directions):
+    variable.assign_sub(learning_rate * direction)
+  return tuple(gradients)
+
+
+@_step
+def _evaluation_step(model: ResidualModel, batch, loss_metric, metrics):
+  x, y = batch
+  outputs = model.outputs(x, training=False)
+  loss_metric.update_state(
+      model.loss_fn(y, outputs),
+      sample_weight=tf.cast(num_examples_in(batch), tf.float32))
+  for metric in metrics:
+    metric.update_state(y, outputs)
+
+
 def _zero_stats():
   # (sum of per-example losses, examples, steps) of a pass.
   return (tf.constant(0.0), tf.constant(0, tf.int64), tf.constant(0, tf.int64))
 
 
-def _add_batch(stats, loss, batch):
+def _add_batch(stats, loss, n):
   loss_sum, num_examples, num_steps = stats
-  n = num_examples_in(batch)
   return (loss_sum + loss * tf.cast(n, tf.float32), num_examples + n,
           num_steps + 1)
 
 
-# The loops below are Python `for` loops over the dataset inside the calling
-# tf.function (AutoGraph turns them into one while loop). `dataset.reduce`
-# would re-instantiate and re-optimize its step function on every call, which
-# dominates the cost of a round on small models.
-
-
 def _local_steps(model: ResidualModel, dataset: tf.data.Dataset,
                  local_learning_rate: float):
-  """Step 1 of FedResSGD/FedResAvg: theta <- theta - lambda grad_theta l(w, theta)
-  once per batch, w fixed. Returns the pass's (loss sum, examples, steps),
-  losses taken before each step."""
+  """Step 1 of FedResSGD/FedResAvg: one `_local_step` per batch. Returns the
+  pass's (loss sum, examples, steps), losses taken before each step."""
   stats = _zero_stats()
   for batch in dataset:
-    with tf.GradientTape() as tape:
-      loss = model.batch_loss(batch)
-    gradients = _dense_gradients(tape, loss, model.local_weights)
-    for variable, gradient in zip(model.local_weights, gradients):
-      variable.assign_sub(local_learning_rate * gradient)
-    stats = _add_batch(stats, loss, batch)
+    loss, n = _local_step(model, batch, local_learning_rate)
+    stats = _add_batch(stats, loss, n)
   return stats
 
 
 def _joint_steps(model: ResidualModel, dataset: tf.data.Dataset,
                  learning_rate: float, local_learning_rate: float):
-  """FedResNaive: per batch, w_i and theta step together from one gradient.
-
-  Both gradients are taken at the same point (w_i, theta) -- the paper calls
-  the two updates simultaneous -- so theta chases the temporary w_i that the
-  server's averaging later overwrites.
-  """
   stats = _zero_stats()
-  num_global = len(model.global_weights)
   for batch in dataset:
-    variables = model.global_weights + model.local_weights
-    with tf.GradientTape() as tape:
-      loss = model.batch_loss(batch)
-    gradients = _dense_gradients(tape, loss, variables)
-    for i, (variable, gradient) in enumerate(zip(variables, gradients)):
-      rate = learning_rate if i < num_global else local_learning_rate
-      variable.assign_sub(rate * gradient)
-    stats = _add_batch(stats, loss, batch)
+    loss, n = _joint_step(model, batch, learning_rate, local_learning_rate)
+    stats = _add_batch(stats, loss, n)
   return stats
 
 
@@ -134,10 +200,7 @@ def _large_batch_gradient(model: ResidualModel, dataset: tf.data.Dataset):
   num_examples = tf.constant(0, tf.int64)
   num_steps = tf.constant(0, tf.int64)
   for batch in dataset:
-    with tf.GradientTape() as tape:
-      loss = model.batch_loss(batch)
-    gradients = _dense_gradients(tape, loss, model.global_weights)
-    n = num_examples_in(batch)
+    gradients, n = _global_gradient(model, batch)
     weighted_sums = tuple(s + tf.cast(n, tf.float32) * g
                           for s, g in zip(weighted_sums, gradients))
     num_examples += n
@@ -149,19 +212,13 @@ def _large_batch_gradient(model: ResidualModel, dataset: tf.data.Dataset):
 def _corrected_global_steps(model: ResidualModel, dataset: tf.data.Dataset,
                             learning_rate: float,
                             correction: Optional[Sequence[tf.Tensor]]):
-  """Step 2 of FedResAvg: w_i <- w_i - eta (g - c_i + c) once per batch with
-  g = grad_w l(w_i, theta), theta fixed; `correction` is c - c_i (None: zero,
-  Option I). Returns (sum of the g's, K)."""
+  """Step 2 of FedResAvg: one `_corrected_global_step` per batch. Returns
+  (sum of the g's, K)."""
   gradient_sums = tuple(tf.zeros_like(v) for v in model.global_weights)
   num_steps = tf.constant(0, tf.int64)
   for batch in dataset:
-    with tf.GradientTape() as tape:
-      loss = model.batch_loss(batch)
-    gradients = _dense_gradients(tape, loss, model.global_weights)
-    directions = gradients if correction is None else [
-        g + c for g, c in zip(gradients, correction)]
-    for variable, direction in zip(model.global_weights, directions):
-      variable.assign_sub(learning_rate * direction)
+    gradients = _corrected_global_step(model, batch, learning_rate,
+                                       correction)
     gradient_sums = tuple(s + g for s, g in zip(gradient_sums, gradients))
     num_steps += 1
   return list(gradient_sums), num_steps
@@ -179,7 +236,7 @@ def _start(model: ResidualModel, global_weights, local_weights) -> None:
   assign(model.local_weights, local_weights)
 
 
-@tf.function
+@_graph_or_eager
 def naive_client_update(model: ResidualModel, dataset: tf.data.Dataset,
                         global_weights, local_weights, learning_rate: float,
                         local_learning_rate: float):
@@ -190,7 +247,7 @@ def naive_client_update(model: ResidualModel, dataset: tf.data.Dataset,
   return _client_result(delta, _read(model.local_weights), stats)
 
 
-@tf.function
+@_graph_or_eager
 def sgd_client_update(model: ResidualModel, dataset: tf.data.Dataset,
                       global_weights, local_weights, learning_rate: float,
                       local_learning_rate: float):
@@ -204,7 +261,7 @@ def sgd_client_update(model: ResidualModel, dataset: tf.data.Dataset,
   return _client_result(delta, _read(model.local_weights), stats)
 
 
-@tf.function
+@_graph_or_eager
 def avg_client_update(model: ResidualModel, dataset: tf.data.Dataset,
                       global_weights, local_weights, learning_rate: float,
                       local_learning_rate: float, correction=None):
@@ -254,25 +311,19 @@ def server_control_update(server_control, control_delta_sum,
           for c, d in zip(server_control, control_delta_sum)]
 
 
-@tf.function
 def fit_local_model(model: ResidualModel, dataset: tf.data.Dataset,
                     local_learning_rate: float):
-  """Step 1 alone (w fixed): fits the local model of a client in-process."""
+  """Step 1 alone (w fixed), in-process: fits one client's local model."""
   return _local_steps(model, dataset, local_learning_rate)
 
 
-@tf.function
 def accumulate_metrics(model: ResidualModel, dataset: tf.data.Dataset,
                        loss_metric: tf.keras.metrics.Mean,
                        metrics: Sequence[tf.keras.metrics.Metric]) -> None:
-  """Adds the model's predictions on `dataset` to example-weighted metrics."""
-  for x, y in dataset:
-    outputs = model.outputs(x, training=False)
-    loss_metric.update_state(
-        model.loss_fn(y, outputs),
-        sample_weight=tf.cast(num_examples_in((x, y)), tf.float32))
-    for metric in metrics:
-      metric.update_state(y, outputs)
+  """Adds the model's predictions on `dataset` to example-weighted metrics
+  (in-process)."""
+  for batch in dataset:
+    _evaluation_step(model, batch, loss_metric, metrics)
 
 
 VARIANTS = ('naive', 'sgd', 'avg')

@@ -1,0 +1,169 @@
+"""FedRes tasks: MovieLens loader on files in the real format, synthetic data,
+and the residual model wrappers."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pipeline.errors import UsageError
+from tasks import base
+from tasks import fedres_synthetic
+from tasks import movielens_ratings
+from tasks import residual
+
+REAL_MOVIELENS_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), '..', '..', 'shared', 'data',
+    'movielens-100k')
+GENRE_FLAGS = {  # movie id -> 19 genre flags
+    1: [0, 0, 0, 1, 1, 1] + [0] * 13,
+    2: [0, 1, 1] + [0] * 13 + [1, 0, 0],
+    3: [0] * 16 + [1, 0, 0],
+    4: [0] * 8 + [1] + [0] * 10,
+}
+# user, movie, rating, timestamp (not in time order, as in u.data).
+RATINGS = [
+    (1, 3, 4, 880000300), (1, 1, 5, 880000100), (1, 4, 2, 880000500),
+    (1, 2, 3, 880000200), (1, 4, 1, 880000400),
+    (2, 1, 1, 880000900), (2, 2, 5, 880000800),
+    (7, 3, 3, 880000000),
+]
+
+
+def _write_movielens(directory):
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, 'u.data'), 'w') as f:
+    for row in RATINGS:
+      f.write('\t'.join(map(str, row)) + '\n')
+  with open(os.path.join(directory, 'u.item'), 'w', encoding='latin-1') as f:
+    for movie, flags in GENRE_FLAGS.items():
+      title = 'Café (1995)' if movie == 2 else f'Movie {movie} (1995)'
+      f.write('|'.join([str(movie), title, '01-Jan-1995', '',
+                        'http://example.com'] + [str(g) for g in flags]) +
+              '\n')
+  return str(directory)
+
+
+@pytest.fixture(scope='module')
+def movielens_task(tmp_path_factory):
+  directory = _write_movielens(tmp_path_factory.mktemp('ml') / 'ml-100k')
+  return movielens_ratings.build_task(base.DataConfig(
+      client_steps=2, client_batch_size=2, seed=0,
+      options={'movielens_dir': directory}))
+
+
+def _examples(dataset):
+  """{(movie, rating)} and the genre rows seen, from batches of the task."""
+  pairs, genres = set(), {}
+  for x, y in dataset:
+    for movie, flags, rating in zip(x['movie_id'].numpy(), x['genres'].numpy(),
+                                    y.numpy()[:, 0]):
+      pairs.add((int(movie), float(rating)))
+      genres[int(movie)] = flags.tolist()
+  return pairs, genres
+
+
+def test_movielens_clients_and_temporal_split(movielens_task):
+  task = movielens_task
+  assert task.train_client_ids == ('1', '2', '7')
+  # User 7's single rating stays train, so it has no held-out data.
+  assert task.personal_eval_data.client_ids == ('1', '2')
+  data = task.personal_eval_data
+  # Latest max(1, round(0.2 n)) ratings are held out: user 1 (n=5) its last
+  # one (movie 4 at t=500); user 2 (n=2) its last one (movie 1 at t=900).
+  assert _examples(data.test_dataset_fn('1'))[0] == {(4, 2.0)}
+  assert _examples(data.test_dataset_fn('2'))[0] == {(1, 1.0)}
+  train_pairs, genres = _examples(data.train_dataset_fn('1', 0).take(2))
+  assert train_pairs <= {(3, 4.0), (1, 5.0), (2, 3.0), (4, 1.0)}
+  for movie, flags in genres.items():
+    assert flags == GENRE_FLAGS[movie]
+  pooled, _ = _examples(task.eval_datasets_fn()[''])
+  assert pooled == {(4, 2.0), (1, 1.0)}
+
+
+def test_movielens_client_dataset_computation_reads_one_user(movielens_task):
+  dataset = movielens_task.client_dataset_computation(('1', np.int64(3)))
+  batches = list(dataset)
+  assert len(batches) == 2  # K = 2 batches of 2.
+  pairs = {(int(m), float(r)) for x, y in batches
+           for m, r in zip(x['movie_id'], y[:, 0])}
+  assert pairs <= {(3, 4.0), (1, 5.0), (2, 3.0), (4, 1.0)}
+
+
+def test_movielens_serving_input_is_movie_ids(movielens_task):
+  model_input = movielens_task.serving.preprocess(tf.constant([2, 4]))
+  np.testing.assert_array_equal(model_input['genres'].numpy(),
+                                [GENRE_FLAGS[2], GENRE_FLAGS[4]])
+
+
+def test_movielens_bad_directories_are_usage_errors(tmp_path):
+  def build(directory):
+    return movielens_ratings.build_task(
+        base.DataConfig(options={'movielens_dir': directory}))
+
+  with pytest.raises(UsageError, match='--movielens_dir is required'):
+    build(None)
+  with pytest.raises(UsageError, match='does not exist'):
+    build(str(tmp_path / 'missing'))
+  with pytest.raises(UsageError, match='has no u.data'):
+    build(str(tmp_path))
+  broken = _write_movielens(tmp_path / 'broken')
+  with open(os.path.join(broken, 'u.data'), 'w') as f:
+    f.write('1\t2\tthree\t4\n')
+  with pytest.raises(UsageError, match='u.data format'):
+    build(broken)
+
+
+def test_movielens_synthetic_data_has_the_real_structure(movielens_task):
+  synthetic = movielens_ratings.build_task(base.DataConfig(
+      client_steps=2, client_batch_size=2, use_synthetic_data=True))
+  assert synthetic.num_train_clients == movielens_ratings.SYNTHETIC_USERS
+  assert (synthetic.client_dataset_computation.type_signature ==
+          movielens_task.client_dataset_computation.type_signature)
+
+
+@pytest.mark.skipif(not os.path.isdir(REAL_MOVIELENS_DIR),
+                    reason='real MovieLens 100K files are not here')
+def test_real_movielens_100k_split():
+  ratings = movielens_ratings.load_ratings(REAL_MOVIELENS_DIR)
+  genres = movielens_ratings.load_genres(REAL_MOVIELENS_DIR)
+  assert len(ratings['user']) == 100_000
+  assert genres.shape == (1683, movielens_ratings.NUM_GENRES)
+  train, test = movielens_ratings.temporal_split(ratings)
+  assert np.unique(ratings['user'][test]).size == 943
+  assert abs(test.sum() / len(test) - movielens_ratings.TEST_FRACTION) < 0.01
+  for user in (1, 100, 943):
+    mine = ratings['user'] == user
+    assert (ratings['timestamp'][mine & train].max() <=
+            ratings['timestamp'][mine & test].min())
+
+
+def test_logistic_data_is_seeded_and_only_labels_depend_on_alpha():
+  x0, labels0 = fedres_synthetic.logistic_data(0.0, seed=3)
+  x1, labels1 = fedres_synthetic.logistic_data(1.0, seed=3)
+  x0_again, labels0_again = fedres_synthetic.logistic_data(0.0, seed=3)
+  np.testing.assert_array_equal(x0, x1)
+  np.testing.assert_array_equal(labels0, labels0_again)
+  assert (labels0 != labels1).mean() > 0.2
+  assert x0.shape == (10, fedres_synthetic.TRAIN_EXAMPLES +
+                      fedres_synthetic.TEST_EXAMPLES, 10)
+  for labels in (labels0, labels1):
+    assert 0.2 < labels.mean() < 0.8
+
+
+def test_residual_wrappers_share_the_global_weights():
+  spec = fedres_synthetic.logistic_spec()
+  global_only = residual.global_only_model(spec)
+  inner = spec.global_model_fn()
+  assert [w.shape for w in global_only.trainable_weights] == [
+      w.shape for w in inner.trainable_weights]
+  local = spec.local_model_fn()
+  local.trainable_weights[0].assign(tf.ones_like(local.trainable_weights[0]))
+  personalized = residual.personalized_model(spec, inner, local)
+  x = tf.random.stateless_normal([4, 10], seed=[1, 2])
+  np.testing.assert_allclose(personalized(x), inner(x) + local(x), rtol=1e-6)
+  inner.trainable_weights[0].assign(
+      tf.random.stateless_normal([10, 2], seed=[3, 4]))
+  global_only.set_weights(inner.get_weights())
+  np.testing.assert_allclose(global_only(x), inner(x), rtol=1e-6)
