@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# Two workers, one test file each: module fixtures (TFF builds) stay per file.
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
