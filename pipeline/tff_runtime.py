@@ -46,12 +46,10 @@ def shutdown_workers() -> None:
   """Stops every TFF worker process started by this process. Idempotent."""
   tff_module = sys.modules.get('tensorflow_federated')
   if tff_module is not None:
-    try:
-      # Dropping the default context lets TFF's own ServiceManager stop its
-      # worker (SIGINT + wait) while the interpreter is still intact.
-      tff_module.framework.set_no_default_context()
-    except Exception:  # pylint: disable=broad-except
-      pass
+    # Dropping the default context lets TFF's own ServiceManager stop its
+    # worker (SIGINT + wait) while the interpreter is still intact.
+    from tensorflow_federated.python.core.impl.context_stack import set_default_context  # pylint: disable=g-import-not-at-top
+    set_default_context.set_no_default_context()
     # Contexts sit in reference cycles; collect them now, not at teardown.
     gc.collect()
   workers = _worker_children()

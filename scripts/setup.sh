@@ -25,7 +25,8 @@ from tensorflow_datasets.testing import mock_data  # noqa: F401
 import tensorflow_federated as tff
 assert numpy.__version__.startswith("1."), numpy.__version__
 assert tff.__version__ == "0.87.0", tff.__version__
-tff.framework.set_no_default_context()  # stop the worker before teardown
+from pipeline import tff_runtime
+tff_runtime.shutdown_workers()  # stop TFF's worker before interpreter teardown
 print(f"environment ok: tff {tff.__version__}, tf {tf.__version__}, tfds {tfds.__version__}, numpy {numpy.__version__}")
 PY
 echo "$want" > "$stamp"
