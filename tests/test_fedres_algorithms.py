@@ -13,6 +13,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 import fedres_testing as ft
+from pipeline import client_store
+from tff_algos import fedres_eval
 from tff_algos import fedres_native
 from tff_algos import registry
 from tff_algos.config import AlgorithmConfig
@@ -186,3 +188,35 @@ def test_in_process_rounds_match_tff_process(algorithms, task, key):
       (state, client_states), (native_state, native_client_states))
   np.testing.assert_allclose(metrics['train']['loss'],
                              native_metrics['train']['loss'], **TOLERANCE)
+
+
+@pytest.mark.parametrize('fit_unseen', [False, True])
+def test_personalized_evaluation_uses_each_clients_theta(task, fit_unseen):
+  # Client '0' has a stored theta; '1' and '2' were never sampled: they use
+  # the initial theta (0), or with fit_unseen the theta Step 1 fits on their
+  # train batches (w fixed).
+  evaluator = fedres_eval.PersonalizedEvaluator(
+      task.residual_spec, task.personal_eval_data, LAMBDA, fit_unseen, seed=5)
+  algorithm_state = {'local_model': ft.model_weights(P0, THETAS['0'])[1]}
+  store = client_store.ClientStateStore(
+      lambda: {'local_model': [np.zeros((2, 1), np.float32)]})
+  store.write(1, ['0'], [algorithm_state])
+  results = evaluator(ft.model_weights(P0), store, lambda s: s['local_model'])
+  store.close()
+
+  squared_errors = []
+  for client_id, (x, y) in DATA.items():
+    theta = THETAS['0'] if client_id == '0' else np.zeros(2)
+    if client_id != '0' and fit_unseen:
+      for xb, yb in task.personal_eval_data.train_dataset_fn(client_id, 5):
+        _, g_theta, _ = ft.gradients(P0, theta, xb.numpy(), yb.numpy()[:, 0])
+        theta = theta - LAMBDA * g_theta
+    x64 = x.astype(np.float64)
+    prediction = np.c_[x64[:, :2], np.ones(len(x))] @ P0 + x64[:, 1:] @ theta
+    squared_errors.extend((y - prediction)**2)
+  assert results['num_clients'] == 3
+  assert results['num_unseen_clients'] == 2
+  np.testing.assert_allclose(results['loss'], np.mean(squared_errors),
+                             rtol=1e-5)
+  np.testing.assert_allclose(results['rmse'],
+                             np.sqrt(np.mean(squared_errors)), rtol=1e-5)

@@ -1,11 +1,12 @@
 """FedRes rounds run in-process, without TFF (SPEC 4.7's native path).
 
-Runs the same per-client function as the TFF process (`fedres_tf.client_round`)
-client by client, then aggregates as the process does: uniform mean of the
-deltas, sum of the control deltas over N (`fedres_tff.server_update`). Parity
-with the TFF process is tested. On tiny problems TFF's per-round overhead
-dominates, so scripted experiments and long convergence tests use this; the
-driver runs the TFF process.
+Runs the same per-client function as the TFF process (`fedres_tf.client_round`,
+eagerly: its batch steps are compiled, its loops are Python) client by client,
+then aggregates as the process does: uniform mean of the deltas, sum of the
+control deltas over N (`fedres_tff.server_update`). Parity with the TFF
+process is tested. On tiny problems TFF's per-round overhead dominates, so
+scripted experiments and long convergence tests use this; the driver runs the
+TFF process.
 """
 
 import collections

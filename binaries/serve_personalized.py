@@ -1,0 +1,46 @@
+"""Serves one client's personalized prediction from a FedRes export.
+
+  python -m binaries.serve_personalized --export_dir=runs/demo/export \
+      --client_id=42 --inputs_npy=inputs.npy
+
+`inputs.npy` holds a batch of the task's serving input (e.g. movie ids for
+movielens_ratings). Prints the predictions as JSON. A client without a stored
+local model gets the initial one (the global prediction plus the initial
+local model's).
+"""
+
+import json
+import os
+
+from absl import flags
+import numpy as np
+
+from binaries import app
+from pipeline.errors import UsageError
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('export_dir', None, 'Export directory of a FedRes run.')
+flags.DEFINE_string('client_id', None, 'Client whose local model to use.')
+flags.DEFINE_string('inputs_npy', None, '.npy file with a batch of inputs.')
+
+
+def main(argv):
+  del argv
+  app.require_flags('export_dir', 'client_id', 'inputs_npy')
+  if not os.path.isfile(FLAGS.inputs_npy):
+    raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} does not exist')
+  try:
+    inputs = np.load(FLAGS.inputs_npy, allow_pickle=False)
+  except ValueError as e:
+    raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} is not a .npy array: '
+                     f'{e}') from e
+  # Imported here so flag errors do not wait for TensorFlow.
+  from tff_algos import fedres_export  # pylint: disable=g-import-not-at-top
+  predictions = fedres_export.serve_personalized(
+      FLAGS.export_dir, FLAGS.client_id, inputs)
+  print(json.dumps({name: value.tolist()
+                    for name, value in predictions.items()}))
+
+
+if __name__ == '__main__':
+  app.run(main)
