@@ -10,6 +10,7 @@ while the interpreter is still whole and then kills any worker child left;
 exception, SIGTERM/SIGHUP/SIGINT).
 """
 
+import asyncio
 import atexit
 import gc
 import os
@@ -98,10 +99,142 @@ def install_shutdown_hooks() -> None:
   _hooks_installed = True
 
 
-def configure_execution(max_concurrent_computation_calls: int = -1) -> None:
-  """Sets TFF's local C++ execution context (the default runtime)."""
+def parse_worker_addresses(addresses: str) -> tuple[str, ...]:
+  """`host:port,host:port` -> ('host:port', ...); UsageError if malformed."""
+  from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
+  parsed = []
+  for address in (a.strip() for a in addresses.split(',') if a.strip()):
+    host, _, port = address.rpartition(':')
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise UsageError(f'--worker_addresses: {address!r} is not host:port '
+                       '(e.g. localhost:8000)')
+    parsed.append(address)
+  return tuple(parsed)
+
+
+def _remote_worker_context(address: str):
+  """An async context on an already-running TFF worker at `address`."""
+  import grpc  # pylint: disable=g-import-not-at-top
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.backends.native import compiler  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
+  # The channel options of TFF's own local factory (2 GB messages), which
+  # TFF 0.87 keeps private; its remote-context helpers were removed.
+  channel = grpc.insecure_channel(
+      address, executor_factory._GRPC_CHANNEL_OPTIONS)  # pylint: disable=protected-access
+  stub = tff.framework.RemoteExecutorGrpcStub(channel)
+
+  def executor_fn(cardinalities):
+    executor = tff.framework.RemoteExecutor(stub)
+    executor.set_cardinalities(cardinalities)
+    return executor
+
+  return tff.framework.AsyncExecutionContext(
+      executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
+      compiler_fn=compiler.desugar_and_transform_to_native,
+      transform_args=tensorflow_computation.transform_args,
+      transform_result=tensorflow_computation.transform_result)
+
+
+def _fix_mergeable_context_partitioning() -> None:
+  """Fixes two bugs of TFF 0.87's mergeable context that scramble clients.
+
+  1. `_partition_value` takes the partition bookkeeping of a struct from its
+     *last* element, so when a non-CLIENTS value follows the clients' values
+     (as in `next(server_state, client_inputs, server_seed)`) every sub-round
+     gets the first sub-round's clients.
+  2. `_invoke_after_merge_in_async_pool` concatenates the sub-rounds'
+     CLIENTS-placed results in completion order, so client outputs (new
+     client states) come back permuted against the client inputs.
+  Both are private functions the module looks up at call time; the fixed
+  versions below replace them. Idempotent.
+  """
+  from tensorflow_federated.python.common_libs import structure  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.impl.execution_contexts import mergeable_comp_execution_context as mergeable  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.impl.types import computation_types  # pylint: disable=g-import-not-at-top
+  if getattr(mergeable, '_project_fixed', False):
+    return
+  partition_leaf = mergeable._partition_value  # pylint: disable=protected-access
+
+  def partition_value(val, type_signature):
+    if not isinstance(type_signature, computation_types.StructType):
+      return partition_leaf(val, type_signature)
+    elements = []
+    advanced = val  # Bookkeeping of the element that held clients' values.
+    for (_, value), (name, element_type) in zip(
+        structure.iter_elements(structure.from_container(val.payload)),
+        structure.iter_elements(type_signature)):
+      result = partition_value(
+          mergeable._PartitioningValue(  # pylint: disable=protected-access
+              value, val.num_remaining_clients, val.num_remaining_partitions,
+              val.last_client_index), element_type)
+      elements.append((name, result.payload))
+      if result.num_remaining_partitions != val.num_remaining_partitions:
+        advanced = result
+    return mergeable._PartitioningValue(  # pylint: disable=protected-access
+        structure.Struct(elements), advanced.num_remaining_clients,
+        advanced.num_remaining_partitions, advanced.last_client_index)
+
+  async def after_merge_in_argument_order(comp, merge_result, arg_list,
+                                          execution_contexts):
+    def task_fn(indexed_arg, context):
+      index, arg = indexed_arg
+
+      async def run():
+        return index, await mergeable._compute_after_merged(  # pylint: disable=protected-access
+            comp, arg, merge_result, context)
+
+      return asyncio.create_task(run())
+
+    async def collect(results, indexed_result, context):
+      del context
+      return (*results, indexed_result)
+
+    results, _ = await mergeable._run_in_async_context_pool(  # pylint: disable=protected-access
+        task_fn, list(enumerate(arg_list)), execution_contexts, (), collect)
+    return [result for _, result in sorted(results, key=lambda r: r[0])]
+
+  mergeable._partition_value = partition_value  # pylint: disable=protected-access
+  mergeable._invoke_after_merge_in_async_pool = after_merge_in_argument_order  # pylint: disable=protected-access
+  mergeable._project_fixed = True  # pylint: disable=protected-access
+
+
+def configure_execution(max_concurrent_computation_calls: int = -1,
+                        num_workers: int = 1,
+                        worker_addresses: tuple[str, ...] = ()) -> None:
+  """Sets the TFF execution context (SPEC 4.6).
+
+  Default (one worker, no addresses): TFF's local C++ execution context.
+  `num_workers` > 1 starts that many local C++ workers; `worker_addresses`
+  uses already-running workers (`worker_binary --port=N` on other hosts).
+  Either way TFF's mergeable execution context splits each round's clients
+  into one sub-round per worker and merges their aggregates, so every
+  computation must have at most one (possibly compound) aggregation -- as
+  every algorithm's `next` does. Client-placed outputs computed before the
+  aggregation (e.g. new client states) are recomputed after the merge, so
+  stateful algorithms do their client work twice on this path.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
   install_shutdown_hooks()
-  tff.backends.native.set_sync_local_cpp_execution_context(
-      max_concurrent_computation_calls=max_concurrent_computation_calls)
+  if num_workers < 1:
+    raise UsageError(f'--num_workers must be >= 1, got {num_workers}')
+  if worker_addresses and num_workers != 1:
+    raise UsageError('--num_workers starts local workers and '
+                     '--worker_addresses uses running ones; pass one of them')
+  if worker_addresses or num_workers > 1:
+    _fix_mergeable_context_partitioning()
+  if worker_addresses:
+    tff.backends.native.set_mergeable_comp_execution_context(
+        [_remote_worker_context(a) for a in worker_addresses])
+  elif num_workers > 1:
+    # Each local context starts (and owns) its own worker_binary child.
+    tff.backends.native.set_mergeable_comp_execution_context([
+        tff.backends.native.create_async_local_cpp_execution_context(
+            max_concurrent_computation_calls=max_concurrent_computation_calls)
+        for _ in range(num_workers)])
+  else:
+    tff.backends.native.set_sync_local_cpp_execution_context(
+        max_concurrent_computation_calls=max_concurrent_computation_calls)
   gc.collect()  # The replaced context's (unstarted) service manager.

@@ -68,8 +68,11 @@ def _load_client_data(config: base.DataConfig):
   """(train, test) ClientData with TFF's CelebA element structure."""
   if config.use_synthetic_data:
     make = tff.simulation.datasets.ClientData.from_clients_and_tf_fn
-    train = make([f'synthetic_train_{i:03d}'
-                  for i in range(SYNTHETIC_TRAIN_CLIENTS)],
+    # A larger population (e.g. to sample 1000 clients a round in the
+    # benchmark) is a task option; the flags keep the small default.
+    num_train = config.options.get('synthetic_train_clients',
+                                   SYNTHETIC_TRAIN_CLIENTS)
+    train = make([f'synthetic_train_{i:03d}' for i in range(num_train)],
                  _synthetic_client_examples)
     test = make([f'synthetic_test_{i:03d}'
                  for i in range(SYNTHETIC_TEST_CLIENTS)],

@@ -1,0 +1,388 @@
+"""Cost of a FedAvg round on this project's TFF path vs naive TFF vs plain TF.
+
+On a CelebA-shaped synthetic task (84x84x3 images, flatten + Dense(64, relu)
++ Dense(1); K=--client_steps local steps of --client_batch_size examples),
+times one round three ways on this machine, each in its own process:
+
+  (a) tff:   this project's driver (pipeline/driver.py) on TFF's C++ runtime,
+             clients passed by id, datasets built inside TFF (SPEC 4.4);
+             `round_seconds` from metrics.csv, so evaluation and
+             checkpointing are left out;
+  (b) naive: `tff.learning.algorithms.build_weighted_fed_avg` fed a Python
+             list of the sampled clients' tf.data datasets each round, as
+             TFF's tutorials do (the datasets are built and serialized into
+             the runtime every round);
+  (c) bound: the same client steps and weighted averaging as one in-process
+             TF loop, no TFF: one tf.function per client update (its dataset
+             built in-graph), clients in sequence, then the average.
+
+The first --warmup_rounds of every run (tracing/compilation) are not timed;
+a run's time per round is the median of the timed rounds. Peak RSS is that
+of the measuring child process plus its TFF worker processes, sampled every
+0.2 s. Then rounds/s of (a) and (c) (and of (b) up to --naive_max_clients)
+versus clients per round, and of (a) for SCAFFOLD (client-state store reads
+and writes included) and mixed_2wgt. The last line is
+
+  ratio_tff_over_bound=<(a)/(c)> ratio_naive_over_tff=<(b)/(a)> peak_rss_mb=<(a)>
+
+for --clients_per_round clients.
+
+  python -m binaries.benchmark                # the README table (~30 min)
+  python -m binaries.benchmark --quick        # ~2 minutes, small sizes
+"""
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import flags
+
+from binaries import app
+from pipeline.errors import UsageError
+
+_CLIENTS_PER_ROUND = flags.DEFINE_integer(
+    'clients_per_round', 100, 'Clients per round of the headline ratios.')
+_SWEEP_CLIENTS = flags.DEFINE_list(
+    'sweep_clients', ['10', '100', '1000'],
+    'Clients per round of the rounds/s sweep (empty: no sweep).')
+_SWEEP_ALGORITHMS = flags.DEFINE_list(
+    'sweep_algorithms', ['fedavg', 'scaffold', 'mixed_2wgt'],
+    'Algorithms whose driver (a) rounds/s the sweep measures.')
+_NAIVE_MAX_CLIENTS = flags.DEFINE_integer(
+    'naive_max_clients', 100,
+    'The naive baseline (b) is swept only up to this many clients (it '
+    'serializes every dataset each round).')
+_ROUNDS = flags.DEFINE_integer('rounds', 4, 'Timed rounds per run.')
+_WARMUP_ROUNDS = flags.DEFINE_integer(
+    'warmup_rounds', 1, 'Untimed first rounds per run (tracing).')
+_CLIENT_STEPS = flags.DEFINE_integer('client_steps', 2, 'K local steps.')
+_CLIENT_BATCH_SIZE = flags.DEFINE_integer('client_batch_size', 5,
+                                          'Client batch size.')
+_POPULATION = flags.DEFINE_integer(
+    'population', 2000,
+    'Train clients of the synthetic task (>= every clients per round).')
+_MAX_CONCURRENT_CALLS = flags.DEFINE_integer(
+    'max_concurrent_computation_calls', -1,
+    'Passed to TFF\'s C++ runtime in (a) and (b) (<= 0: no cap).')
+_NUM_WORKERS = flags.DEFINE_integer(
+    'num_workers', 1, 'Local TFF worker processes of the driver runs (a).')
+_QUICK = flags.DEFINE_boolean(
+    'quick', False,
+    'Small sizes (20 clients, 2 timed rounds, no sweep) to check the '
+    'benchmark runs; the numbers are not the README\'s.')
+_CHILD = flags.DEFINE_string('child', None, 'Internal: the run to measure.')
+_CHILD_CLIENTS = flags.DEFINE_integer('child_clients', None, 'Internal.')
+_CHILD_ALGORITHM = flags.DEFINE_string('child_algorithm', 'fedavg', 'Internal.')
+_OUTPUT_DIR = flags.DEFINE_string('child_output_dir', None, 'Internal.')
+
+FLAGS = flags.FLAGS
+RESULT_PREFIX = 'BENCHMARK_RESULT '
+MODES = ('tff', 'naive', 'bound')
+CLIENT_LEARNING_RATE = 0.01
+SERVER_LEARNING_RATE = 1.0
+
+
+# ---------------------------------------------------------------- children --
+
+
+def _data_config(algorithm: str):
+  from tasks import base  # pylint: disable=g-import-not-at-top
+  mixed = algorithm.startswith('mixed')
+  return base.DataConfig(
+      client_batch_size=_CLIENT_BATCH_SIZE.value,
+      client_steps=_CLIENT_STEPS.value,
+      central_batch_size=_CLIENT_BATCH_SIZE.value * _CHILD_CLIENTS.value,
+      central_steps=_CLIENT_STEPS.value,
+      use_synthetic_data=True,
+      options={
+          # Mixed FL needs central data: its composite clients are three raw
+          # clients each, so the raw population is three times larger.
+          'celeba_mode': 'mixed' if mixed else 'federated',
+          'synthetic_train_clients': _POPULATION.value * (3 if mixed else 1),
+      })
+
+
+def _timed(round_seconds: list[float]) -> list[float]:
+  return round_seconds[_WARMUP_ROUNDS.value:]
+
+
+def _run_tff_driver() -> list[float]:
+  """(a): the driver's per-round seconds (eval and checkpoint excluded)."""
+  import csv  # pylint: disable=g-import-not-at-top
+  from pipeline import driver  # pylint: disable=g-import-not-at-top
+  from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
+  from tasks import celeba  # pylint: disable=g-import-not-at-top
+  from tff_algos import registry  # pylint: disable=g-import-not-at-top
+  from tff_algos.config import AlgorithmConfig  # pylint: disable=g-import-not-at-top
+  tff_runtime.configure_execution(_MAX_CONCURRENT_CALLS.value,
+                                  num_workers=_NUM_WORKERS.value)
+  algorithm_name = _CHILD_ALGORITHM.value
+  task = celeba.build_task(_data_config(algorithm_name))
+  algorithm = registry.build_algorithm(
+      algorithm_name, task.model_fn, AlgorithmConfig(
+          client_learning_rate=CLIENT_LEARNING_RATE,
+          server_learning_rate=SERVER_LEARNING_RATE,
+          central_learning_rate=CLIENT_LEARNING_RATE * SERVER_LEARNING_RATE,
+          central_steps=_CLIENT_STEPS.value,
+          num_train_clients=task.num_train_clients,
+          clients_per_round=_CHILD_CLIENTS.value), task=task)
+  total_rounds = _WARMUP_ROUNDS.value + _ROUNDS.value
+  config = driver.RunConfig(
+      root_output_dir=_OUTPUT_DIR.value, experiment_name=algorithm_name,
+      total_rounds=total_rounds, clients_per_round=_CHILD_CLIENTS.value,
+      rounds_per_eval=total_rounds, rounds_per_checkpoint=total_rounds,
+      client_state_store='memory', export=False)
+  driver.train(algorithm, task, config)
+  with open(os.path.join(config.run_dir, 'metrics.csv')) as f:
+    return [float(row['round_seconds']) for row in csv.DictReader(f)]
+
+
+def _sampled_ids(task, round_num: int):
+  from pipeline import driver  # pylint: disable=g-import-not-at-top
+  plan = driver.plan_round(0, round_num, task.num_train_clients,
+                           _CHILD_CLIENTS.value)
+  return [task.train_client_ids[i] for i in plan.client_indices], plan
+
+
+def _run_naive_tff() -> list[float]:
+  """(b): build_weighted_fed_avg on a Python list of datasets per round."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
+  from tasks import celeba  # pylint: disable=g-import-not-at-top
+  tff_runtime.configure_execution(_MAX_CONCURRENT_CALLS.value)
+  config = _data_config('fedavg')
+  train, _ = celeba._load_client_data(config)  # pylint: disable=protected-access
+  task = celeba.build_task(config)
+  process = tff.learning.algorithms.build_weighted_fed_avg(
+      task.model_fn,
+      client_optimizer_fn=tff.learning.optimizers.build_sgdm(
+          CLIENT_LEARNING_RATE),
+      server_optimizer_fn=tff.learning.optimizers.build_sgdm(
+          SERVER_LEARNING_RATE))
+  state = process.initialize()
+  seconds = []
+  for round_num in range(1, _WARMUP_ROUNDS.value + _ROUNDS.value + 1):
+    started = time.perf_counter()
+    ids, plan = _sampled_ids(task, round_num)
+    # The tutorials' make_federated_data: one preprocessed dataset per
+    # sampled client, built in Python.
+    datasets = [
+        train.create_tf_dataset_for_client(cid).shuffle(
+            config.shuffle_buffer, seed=int(seed)).repeat().batch(
+                config.client_batch_size).take(config.client_steps).map(
+                    celeba._to_batch)  # pylint: disable=protected-access
+        for cid, seed in zip(ids, plan.client_seeds)]
+    state = process.next(state, datasets).state
+    seconds.append(time.perf_counter() - started)
+  del tf
+  return seconds
+
+
+def _run_plain_tf_bound() -> list[float]:
+  """(c): the same round as one in-process TF loop, no TFF."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tasks import base  # pylint: disable=g-import-not-at-top
+  from tasks import celeba  # pylint: disable=g-import-not-at-top
+  config = _data_config('fedavg')
+  tf.keras.utils.set_random_seed(0)
+  global_model = celeba.build_keras_model()
+  client_model = celeba.build_keras_model()
+  loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
+  optimizer = tf.keras.optimizers.SGD(CLIENT_LEARNING_RATE)
+  client_ids = [f'synthetic_train_{i:03d}' for i in range(_POPULATION.value)]
+
+  @tf.function
+  def client_update(client_id, seed):
+    """One client's K steps from the global model; (delta, num_examples)."""
+    for local, server in zip(client_model.trainable_variables,
+                             global_model.trainable_variables):
+      local.assign(server)
+    dataset = base.client_batches(
+        celeba._synthetic_client_examples(client_id), config,  # pylint: disable=protected-access
+        seed).map(celeba._to_batch)  # pylint: disable=protected-access
+    num_examples = tf.constant(0.0)
+    for images, labels in dataset:
+      with tf.GradientTape() as tape:
+        loss = loss_fn(labels, client_model(images, training=True))
+      gradients = tape.gradient(loss, client_model.trainable_variables)
+      optimizer.apply_gradients(
+          zip(gradients, client_model.trainable_variables))
+      num_examples += tf.cast(tf.shape(labels)[0], tf.float32)
+    delta = [local - server for local, server in zip(
+        client_model.trainable_variables, global_model.trainable_variables)]
+    return delta, num_examples
+
+  @tf.function
+  def server_update(delta_sums, total_examples):
+    # FedAvg: weighted mean of the deltas, server SGD with rate eta_s.
+    for variable, delta_sum in zip(global_model.trainable_variables,
+                                   delta_sums):
+      variable.assign_add(SERVER_LEARNING_RATE * delta_sum / total_examples)
+
+  seconds = []
+  for round_num in range(1, _WARMUP_ROUNDS.value + _ROUNDS.value + 1):
+    started = time.perf_counter()
+    from pipeline import driver  # pylint: disable=g-import-not-at-top
+    plan = driver.plan_round(0, round_num, len(client_ids),
+                             _CHILD_CLIENTS.value)
+    delta_sums = [tf.zeros_like(v) for v in global_model.trainable_variables]
+    total_examples = tf.constant(0.0)
+    for index, seed in zip(plan.client_indices, plan.client_seeds):
+      delta, num_examples = client_update(
+          tf.constant(client_ids[index]), tf.constant(seed, tf.int64))
+      delta_sums = [s + d * num_examples for s, d in zip(delta_sums, delta)]
+      total_examples += num_examples
+    server_update(delta_sums, total_examples)
+    seconds.append(time.perf_counter() - started)
+  return seconds
+
+
+def run_child() -> None:
+  runner = {'tff': _run_tff_driver, 'naive': _run_naive_tff,
+            'bound': _run_plain_tf_bound}[_CHILD.value]
+  seconds = runner()
+  print(RESULT_PREFIX + json.dumps({'round_seconds': seconds}), flush=True)
+
+
+# ------------------------------------------------------------------ parent --
+
+
+def _tree_rss_mb(process) -> float:
+  import psutil  # pylint: disable=g-import-not-at-top
+  try:
+    processes = [process] + process.children(recursive=True)
+  except psutil.Error:
+    return 0.0
+  total = 0
+  for p in processes:
+    try:
+      total += p.memory_info().rss
+    except psutil.Error:
+      continue
+  return total / 2**20
+
+
+def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
+  """Runs one child; returns its median timed round and peak RSS."""
+  import psutil  # pylint: disable=g-import-not-at-top
+  output_dir = tempfile.mkdtemp(prefix='benchmark_')
+  command = [sys.executable, '-m', 'binaries.benchmark', f'--child={mode}',
+             f'--child_clients={clients}', f'--child_algorithm={algorithm}',
+             f'--child_output_dir={output_dir}']
+  command += [f'--{name}={FLAGS[name].value}' for name in (
+      'rounds', 'warmup_rounds', 'client_steps', 'client_batch_size',
+      'population', 'max_concurrent_computation_calls', 'num_workers')]
+  started = time.perf_counter()
+  child = subprocess.Popen(command, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
+                           cwd=os.path.dirname(os.path.dirname(
+                               os.path.abspath(__file__))))
+  process = psutil.Process(child.pid)
+  peak_rss = 0.0
+  try:
+    while child.poll() is None:
+      peak_rss = max(peak_rss, _tree_rss_mb(process))
+      time.sleep(0.2)
+    stdout, stderr = child.communicate()
+  finally:
+    if child.poll() is None:
+      child.kill()
+    shutil.rmtree(output_dir, ignore_errors=True)
+  results = [l for l in stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+  if child.returncode or not results:
+    raise RuntimeError(f'{" ".join(command)} failed ({child.returncode}):\n'
+                       + stderr[-3000:])
+  seconds = _timed(json.loads(results[-1][len(RESULT_PREFIX):])[
+      'round_seconds'])
+  record = dict(mode=mode, algorithm=algorithm, clients=clients,
+                seconds_per_round=statistics.median(seconds),
+                round_seconds=seconds, peak_rss_mb=peak_rss,
+                wall_seconds=time.perf_counter() - started)
+  print(f'  {mode:5s} {algorithm:10s} {clients:5d} clients: '
+        f'{record["seconds_per_round"]:8.3f} s/round (rounds: '
+        + ', '.join(f'{s:.2f}' for s in seconds) +
+        f'), peak RSS {peak_rss:6.0f} MB, {record["wall_seconds"]:.0f} s '
+        'wall', flush=True)
+  return record
+
+
+def _load() -> str:
+  return ', '.join(f'{x:.2f}' for x in os.getloadavg())
+
+
+def run_parent() -> None:
+  if _QUICK.value:
+    for name, value in (('clients_per_round', 20), ('rounds', 2),
+                        ('sweep_clients', [])):
+      if not FLAGS[name].present:
+        FLAGS[name].value = value
+  sweep = sorted({int(c) for c in _SWEEP_CLIENTS.value})
+  largest = max([_CLIENTS_PER_ROUND.value] + sweep)
+  if _ROUNDS.value < 1 or _WARMUP_ROUNDS.value < 0:
+    raise UsageError('--rounds must be >= 1 and --warmup_rounds >= 0')
+  if min([_CLIENTS_PER_ROUND.value] + sweep) < 1:
+    raise UsageError('--clients_per_round and --sweep_clients must be >= 1')
+  if _POPULATION.value < largest:
+    raise UsageError(f'--population={_POPULATION.value} is below the '
+                     f'largest clients per round ({largest})')
+  print(f'benchmark: K={_CLIENT_STEPS.value}, B={_CLIENT_BATCH_SIZE.value}, '
+        f'{_ROUNDS.value} timed + {_WARMUP_ROUNDS.value} warm-up rounds, '
+        f'population {_POPULATION.value}, {os.cpu_count()} CPUs, load '
+        f'average {_load()}', flush=True)
+  headline = {mode: measure(mode, _CLIENTS_PER_ROUND.value)
+              for mode in MODES}
+  records = list(headline.values())
+  for algorithm in _SWEEP_ALGORITHMS.value:
+    for clients in sweep:
+      for mode in MODES if algorithm == 'fedavg' else ('tff',):
+        if mode == 'naive' and clients > _NAIVE_MAX_CLIENTS.value:
+          continue
+        if algorithm == 'fedavg' and clients == _CLIENTS_PER_ROUND.value:
+          continue  # The headline runs.
+        records.append(measure(mode, clients, algorithm))
+
+  print(f'\nrounds/s (peak RSS MB), K={_CLIENT_STEPS.value}, '
+        f'B={_CLIENT_BATCH_SIZE.value}; load average at the end {_load()}')
+  columns = sorted({(r['algorithm'], r['mode']) for r in records},
+                   key=lambda c: (c[0] != 'fedavg', c[0], MODES.index(c[1])))
+  print('| clients/round | ' + ' | '.join(
+      f'{a} {m}' for a, m in columns) + ' |')
+  print('|---' * (len(columns) + 1) + '|')
+  for clients in sorted({r['clients'] for r in records}):
+    cells = []
+    for algorithm, mode in columns:
+      match = [r for r in records if (r['algorithm'], r['mode'],
+                                      r['clients']) == (algorithm, mode,
+                                                        clients)]
+      cells.append(f'{1 / match[0]["seconds_per_round"]:.3g} '
+                   f'({match[0]["peak_rss_mb"]:.0f})' if match else '-')
+    print(f'| {clients} | ' + ' | '.join(cells) + ' |')
+
+  tff_s, naive_s, bound_s = (headline[m]['seconds_per_round'] for m in MODES)
+  print(f'\n{_CLIENTS_PER_ROUND.value} clients/round: (a) TFF driver '
+        f'{tff_s:.3f} s, (b) naive TFF {naive_s:.3f} s, (c) plain TF '
+        f'{bound_s:.3f} s per round; peak RSS (a) '
+        f'{headline["tff"]["peak_rss_mb"]:.0f} MB, (b) '
+        f'{headline["naive"]["peak_rss_mb"]:.0f} MB, (c) '
+        f'{headline["bound"]["peak_rss_mb"]:.0f} MB')
+  print(f'ratio_tff_over_bound={tff_s / bound_s:.3f} '
+        f'ratio_naive_over_tff={naive_s / tff_s:.3f} '
+        f'peak_rss_mb={headline["tff"]["peak_rss_mb"]:.0f}')
+
+
+def main(argv):
+  del argv
+  if _CHILD.value:
+    run_child()
+  else:
+    run_parent()
+
+
+if __name__ == '__main__':
+  app.run(main)
