@@ -5,6 +5,7 @@ from typing import Any, Callable, Optional, Union
 from absl import flags
 
 from pipeline import client_store
+from pipeline import tff_runtime
 from pipeline.errors import UsageError
 from tasks import base as task_base
 from tff_algos import config as algo_config
@@ -31,6 +32,13 @@ flags.DEFINE_enum('runtime', 'tff', ['tff'], 'Execution runtime.')
 flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                      'Cap on concurrent calls in the TFF C++ runtime '
                      '(<= 0: no cap).')
+flags.DEFINE_integer('num_workers', 1,
+                     'Local TFF worker processes; > 1 splits each round\'s '
+                     'clients over them (TFF\'s mergeable execution context).')
+flags.DEFINE_string('worker_addresses', '',
+                    'host:port,... of running TFF workers (worker_binary '
+                    '--port=N) to split each round\'s clients over, instead '
+                    'of local workers.')
 
 # Data.
 flags.DEFINE_integer('client_steps', None,
@@ -179,6 +187,14 @@ def apply_task_defaults(task: Optional[str],
 def all_values() -> dict:
   """Every flag this module defines, for hparams.json."""
   return {f.name: f.value for f in FLAGS.get_flags_for_module(__name__)}
+
+
+def configure_execution() -> None:
+  """The TFF execution context the flags ask for (SPEC 4.6)."""
+  tff_runtime.configure_execution(
+      FLAGS.max_concurrent_computation_calls, num_workers=FLAGS.num_workers,
+      worker_addresses=tff_runtime.parse_worker_addresses(
+          FLAGS.worker_addresses))
 
 
 def data_config() -> task_base.DataConfig:

@@ -10,7 +10,6 @@ from absl import logging
 from binaries import app
 from binaries import flags_lib
 from pipeline import driver
-from pipeline import tff_runtime
 from pipeline.errors import UsageError
 from tasks import registry as task_registry
 from tff_algos import registry as algorithm_registry
@@ -40,7 +39,7 @@ def main(argv):
     raise UsageError(f'--task={FLAGS.task!r} is unknown; allowed: '
                      f'{", ".join(task_registry.NAMES)}')
   task_defaults = flags_lib.apply_task_defaults(FLAGS.task)
-  tff_runtime.configure_execution(FLAGS.max_concurrent_computation_calls)
+  flags_lib.configure_execution()
   task = task_registry.build_task(FLAGS.task, flags_lib.data_config())
   flags_lib.apply_built_task_defaults(task)
   config = run_config()
