@@ -99,6 +99,13 @@ def install_shutdown_hooks() -> None:
   _hooks_installed = True
 
 
+def worker_binary_path() -> str:
+  """TFF's C++ worker; `<path> --port=N` serves one worker on port N."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  # Where TFF's local_cpp_executor_factory looks for it.
+  return os.path.join(os.path.dirname(tff.__file__), 'data', _WORKER_NAME)
+
+
 def parse_worker_addresses(addresses: str) -> tuple[str, ...]:
   """`host:port,host:port` -> ('host:port', ...); UsageError if malformed."""
   from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
@@ -126,6 +133,9 @@ def _remote_worker_context(address: str):
   stub = tff.framework.RemoteExecutorGrpcStub(channel)
 
   def executor_fn(cardinalities):
+    # As TFF's local factory does: computations without clients-placed
+    # arguments still need a clients cardinality.
+    cardinalities.setdefault(tff.CLIENTS, 0)
     executor = tff.framework.RemoteExecutor(stub)
     executor.set_cardinalities(cardinalities)
     return executor

@@ -1,0 +1,146 @@
+"""Clients split over several TFF workers (SPEC 4.6) give the one-worker run.
+
+SCAFFOLD on the 4-client linear task (2 clients a round, so each of 2 workers
+gets one): its new client states come back per client and are used in the
+next round, so a scrambled split or a permuted return would change the
+weights, the server control variate and the stored c_i.
+"""
+
+import os
+import subprocess
+import time
+
+import numpy as np
+import portpicker
+import psutil
+import pytest
+import tensorflow as tf
+
+from pipeline import client_store
+from pipeline import driver
+from pipeline import tff_runtime
+from pipeline.errors import UsageError
+import scaffold_testlib as lib
+from tff_algos import registry
+from tff_algos.config import AlgorithmConfig
+
+ROUNDS = 3
+
+
+def _train(task, root, name):
+  algorithm = registry.build_algorithm('scaffold', task.model_fn,
+                                       AlgorithmConfig(
+                                           client_learning_rate=lib.CLIENT_LR,
+                                           server_learning_rate=lib.SERVER_LR,
+                                           num_train_clients=lib.NUM_CLIENTS))
+  config = driver.RunConfig(
+      root_output_dir=str(root), experiment_name=name, total_rounds=ROUNDS,
+      clients_per_round=lib.CLIENTS_PER_ROUND, rounds_per_eval=ROUNDS,
+      rounds_per_checkpoint=ROUNDS, seed=lib.SEED,
+      client_state_store='sqlite', export=False)
+  result = driver.train(algorithm, task, config)
+  store = client_store.open_store(algorithm.client_state_fn, 'sqlite',
+                                  config.run_dir)
+  client_states = dict(store.items())
+  store.close()
+  return result, client_states
+
+
+def _flat(structure):
+  return [np.asarray(x) for x in tf.nest.flatten(structure)]
+
+
+def _assert_same_run(expected, actual):
+  (expected_result, expected_states), (result, states) = expected, actual
+  # Sub-rounds change only the order of float sums.
+  for want, got in zip(_flat(expected_result.server_state),
+                       _flat(result.server_state)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert sorted(states) == sorted(expected_states)
+  assert len(states) > lib.CLIENTS_PER_ROUND  # States of several rounds.
+  for client_id, want in expected_states.items():
+    for w, g in zip(_flat(want), _flat(states[client_id])):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert result.last_metrics['train/loss'] == pytest.approx(
+      expected_result.last_metrics['train/loss'], rel=1e-5)
+
+
+def _worker_pids():
+  return {p.pid for p in tff_runtime._worker_children()}  # pylint: disable=protected-access
+
+
+@pytest.fixture(scope='module')
+def task():
+  return lib.build_linear_task()
+
+
+@pytest.fixture(scope='module')
+def one_worker_run(task, tmp_path_factory):
+  return _train(task, tmp_path_factory.mktemp('one_worker'), 'scaffold')
+
+
+@pytest.fixture
+def restore_default_context():
+  workers_before = _worker_pids()
+  yield
+  tff_runtime.configure_execution()
+  # The multi-worker context's local workers were stopped with it.
+  assert _worker_pids() <= workers_before
+
+
+def test_two_local_workers_give_the_one_worker_run(
+    task, one_worker_run, tmp_path, restore_default_context):
+  del restore_default_context
+  tff_runtime.configure_execution(num_workers=2)
+  run = _train(task, tmp_path, 'scaffold')
+  assert len(_worker_pids()) >= 2  # The split really ran on two workers.
+  _assert_same_run(one_worker_run, run)
+
+
+def test_two_remote_workers_on_loopback_give_the_one_worker_run(
+    task, one_worker_run, tmp_path, restore_default_context):
+  del restore_default_context
+  ports = [portpicker.pick_unused_port() for _ in range(2)]
+  workers = [subprocess.Popen(
+      [tff_runtime.worker_binary_path(), f'--port={port}'],
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+      stdin=subprocess.DEVNULL) for port in ports]
+  try:
+    tff_runtime.configure_execution(
+        worker_addresses=tff_runtime.parse_worker_addresses(
+            ','.join(f'localhost:{port}' for port in ports)))
+    run = _train(task, tmp_path, 'scaffold')
+    for worker in workers:
+      # Both served computations (TFF's worker grows once it has run one).
+      assert worker.poll() is None
+      assert psutil.Process(worker.pid).cpu_times().user > 0
+  finally:
+    for worker in workers:
+      worker.kill()
+    for worker in workers:
+      worker.wait(timeout=30)
+  _assert_same_run(one_worker_run, run)
+  time.sleep(0.1)
+  assert all(not psutil.pid_exists(w.pid) or
+             psutil.Process(w.pid).status() == psutil.STATUS_ZOMBIE
+             for w in workers)
+
+
+@pytest.mark.parametrize('addresses', ['localhost', 'localhost:port',
+                                       'localhost:8000,:8001', 'h:70000'])
+def test_malformed_worker_address_is_a_usage_error(addresses):
+  with pytest.raises(UsageError, match='--worker_addresses'):
+    tff_runtime.parse_worker_addresses(addresses)
+
+
+def test_worker_addresses_are_parsed():
+  assert tff_runtime.parse_worker_addresses(' a:1, 10.0.0.2:8000 ,') == (
+      'a:1', '10.0.0.2:8000')
+
+
+def test_bad_worker_counts_are_usage_errors():
+  with pytest.raises(UsageError, match='--num_workers'):
+    tff_runtime.configure_execution(num_workers=0)
+  with pytest.raises(UsageError, match='one of them'):
+    tff_runtime.configure_execution(num_workers=2,
+                                    worker_addresses=('localhost:1',))
