@@ -27,8 +27,12 @@ and writes included) and mixed_2wgt. The last line is
 
 for --clients_per_round clients.
 
-  python -m binaries.benchmark                # the README table (~30 min)
-  python -m binaries.benchmark --quick        # ~2 minutes, small sizes
+  python -m binaries.benchmark --quick        # small sizes: a few minutes
+  python -m binaries.benchmark --clients_per_round=100 \
+      --sweep_clients=10,100 --rounds=3       # the README table
+
+Most of a child's wall time is importing TF and tracing; on 2 shared cores
+under load the README run took about an hour.
 """
 
 import json
@@ -76,7 +80,7 @@ _NUM_WORKERS = flags.DEFINE_integer(
     'num_workers', 1, 'Local TFF worker processes of the driver runs (a).')
 _QUICK = flags.DEFINE_boolean(
     'quick', False,
-    'Small sizes (20 clients, 2 timed rounds, no sweep) to check the '
+    'Small sizes (10 clients, 1 timed round, no sweep) to check the '
     'benchmark runs; the numbers are not the README\'s.')
 _CHILD = flags.DEFINE_string('child', None, 'Internal: the run to measure.')
 _CHILD_CLIENTS = flags.DEFINE_integer('child_clients', None, 'Internal.')
@@ -319,7 +323,7 @@ def _load() -> str:
 
 def run_parent() -> None:
   if _QUICK.value:
-    for name, value in (('clients_per_round', 20), ('rounds', 2),
+    for name, value in (('clients_per_round', 10), ('rounds', 1),
                         ('sweep_clients', [])):
       if not FLAGS[name].present:
         FLAGS[name].value = value
