@@ -144,7 +144,7 @@ def _run_tff_driver() -> list[float]:
       total_rounds=total_rounds, clients_per_round=_CHILD_CLIENTS.value,
       rounds_per_eval=total_rounds, rounds_per_checkpoint=total_rounds,
       # On disk, as for any large population: the in-memory store's
-      # checkpoint (the whole database serialized) failed here with ~330
+      # checkpoint (the whole database serialized) failed here with 373
       # full-model c_i of 5.4 MB (sqlite3 'unable to serialize').
       client_state_store='sqlite', export=False)
   driver.train(algorithm, task, config)
