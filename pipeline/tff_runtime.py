@@ -219,9 +219,10 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   `num_workers` > 1 starts that many local C++ workers; `worker_addresses`
   uses already-running workers (`worker_binary --port=N` on other hosts).
   Either way TFF's mergeable execution context splits each round's clients
-  into one sub-round per worker and merges their aggregates, so every
-  computation must have at most one (possibly compound) aggregation -- as
-  every algorithm's `next` does. Client-placed outputs computed before the
+  into one sub-round per worker and merges their aggregates, so a
+  computation must not feed one aggregation's result into another (TFF
+  raises a ValueError when compiling one that does); SCAFFOLD's and
+  FedAvg's `next` were checked to give the one-worker results. Client-placed outputs computed before the
   aggregation (e.g. new client states) are recomputed after the merge, so
   stateful algorithms do their client work twice on this path.
   """
