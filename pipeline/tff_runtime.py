@@ -221,8 +221,8 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   Either way TFF's mergeable execution context splits each round's clients
   into one sub-round per worker and merges their aggregates, so a
   computation must not feed one aggregation's result into another (TFF
-  raises a ValueError when compiling one that does); SCAFFOLD's and
-  FedAvg's `next` were checked to give the one-worker results. Client-placed outputs computed before the
+  raises a ValueError when compiling one that does); SCAFFOLD's `next` is
+  tested to give the one-worker results. Client-placed outputs computed before the
   aggregation (e.g. new client states) are recomputed after the merge, so
   stateful algorithms do their client work twice on this path.
   """
