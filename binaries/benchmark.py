@@ -27,7 +27,7 @@ and writes included) and mixed_2wgt. The last line is
 
 for --clients_per_round clients.
 
-  python -m binaries.benchmark --quick        # small sizes: ~2.5 min idle
+  python -m binaries.benchmark --quick        # small sizes: ~1.5 min on an idle machine
   python -m binaries.benchmark --clients_per_round=100 \
       --sweep_clients=10,100 --rounds=3       # the README table
 
