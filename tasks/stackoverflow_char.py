@@ -103,7 +103,8 @@ def to_sequences(texts: tf.data.Dataset) -> tf.data.Dataset:
   chunk = SEQUENCE_LENGTH + 1
 
   def pad(sequence):
-    return tf.pad(sequence, [[0, chunk - tf.shape(sequence)[0]]])
+    return tf.ensure_shape(
+        tf.pad(sequence, [[0, chunk - tf.shape(sequence)[0]]]), [chunk])
 
   return texts.map(_example_ids).unbatch().batch(chunk).filter(
       # A lone trailing token has no next character to predict.
