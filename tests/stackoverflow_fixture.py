@@ -98,3 +98,21 @@ def write_wikipedia_tfds(data_dir, num_articles=40, num_held_out=3,
   tfds.folder_dataset.write_metadata(data_dir=dataset_dir, features=features,
                                      check_data=False)
   return articles
+
+
+def write_word_counts(cache_dir, sentences) -> list[str]:
+  """`stackoverflow.word_count` where tf.keras.utils.get_file extracts it.
+
+  Returns the words, most frequent first, as written ("word count" lines).
+  """
+  counts = {}
+  for sentence in sentences:
+    for word in sentence.split():
+      counts[word] = counts.get(word, 0) + 1
+  words = sorted(counts, key=lambda w: (-counts[w], w))
+  directory = os.path.join(cache_dir, 'datasets')
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, 'stackoverflow.word_count'), 'w') as f:
+    for word in words:
+      f.write(f'{word} {counts[word]}\n')
+  return words
