@@ -293,8 +293,8 @@ class Wikipedia:
                               reshuffle_each_iteration=True).repeat(
                               ).interleave(
         read_shard, cycle_length=min(_WIKIPEDIA_CYCLE_LENGTH,
-                                     len(self._files)),
-        deterministic=True).map(features.deserialize_example)
+                                     len(self._files))).map(
+                                         features.deserialize_example)
     return articles.filter(_is_wikipedia_train_article)
 
   def eval_articles(self) -> tf.data.Dataset:

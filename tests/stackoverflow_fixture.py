@@ -20,6 +20,9 @@ from tasks import stackoverflow_char
 _WORDS = ('how', 'do', 'i', 'sort', 'a', 'list', 'in', 'python', '?', 'use',
           'sorted', '(', ')', '.', 'thanks', 'the', 'error', 'is', ':', 'null')
 SPLITS = ('train', 'heldout', 'test')
+TRAIN_WORDS = ('The', 'river', 'Rhine', 'flows', 'north', 'in', '1850,', 'and',
+               'caf\u00e9s', 'opened.')
+HELD_OUT_WORDS = ('Glacier', 'melts', 'slowly', 'every', 'summer;')
 
 
 def _bytes_feature(value: bytes) -> tf.train.Feature:
@@ -69,7 +72,7 @@ def write_stackoverflow_sqlite(path, clients_per_split=(4, 2, 3),
 
 def write_wikipedia_tfds(data_dir, num_articles=40, num_held_out=3,
                          num_shards=2) -> dict:
-  """Returns {title: text} of the articles written (shard by shard)."""
+  """Returns {title: text} of the articles in the order TFDS reads them."""
   builder = tfds.builder(stackoverflow_char.WIKIPEDIA, data_dir=data_dir)
   dataset_dir = builder.data_dir
   os.makedirs(dataset_dir)
@@ -82,12 +85,14 @@ def write_wikipedia_tfds(data_dir, num_articles=40, num_held_out=3,
   rng = np.random.default_rng(1)
   articles = {}
   for title in titles:
-    words = rng.choice(['The', 'river', 'Rhine', 'flows', 'north', 'in',
-                        '1850,', 'and', 'caf\u00e9s', 'opened.'],
-                       size=int(rng.integers(20, 80)))
+    # Held-out articles have their own words, so a test can tell them apart.
+    vocabulary = HELD_OUT_WORDS if title in titles[:num_held_out] else (
+        TRAIN_WORDS)
+    words = rng.choice(vocabulary, size=int(rng.integers(20, 80)))
     articles[title] = ' '.join(words[:10]) + '\n' + ' '.join(words[10:])
   features = builder.info.features
   items = sorted(articles.items())
+  in_file_order = {}
   for shard in range(num_shards):
     filename = (f'wikipedia-train.tfrecord-{shard:05d}-of-'
                 f'{num_shards:05d}')
@@ -95,9 +100,10 @@ def write_wikipedia_tfds(data_dir, num_articles=40, num_held_out=3,
       for title, text in items[shard::num_shards]:
         writer.write(features.serialize_example(
             {'title': title, 'text': text}))
+        in_file_order[title] = text
   tfds.folder_dataset.write_metadata(data_dir=dataset_dir, features=features,
                                      check_data=False)
-  return articles
+  return in_file_order
 
 
 def write_word_counts(cache_dir, sentences) -> list[str]:
