@@ -58,8 +58,11 @@ def _weighted_gradient(tape: tf.GradientTape, loss: tf.Tensor,
   added to augmenting gradients, kept across steps and returned as state.
   """
   gradients = tape.gradient(loss, variables)
-  return tuple(tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-               for g, v in zip(gradients, variables))
+  return tuple(
+      tf.zeros_like(v) if g is None else
+      # A dense IndexedSlices has an unknown first dimension.
+      tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
+      for g, v in zip(gradients, variables))
 
 
 def _optimizer_step(optimizer: tff.learning.optimizers.Optimizer, state,
