@@ -182,12 +182,12 @@ def load_stackoverflow(config: base.DataConfig):
     raise UsageError(f'--cache_dir is required: a directory holding '
                      f'{SQLITE_NAME} (TFF StackOverflow), or pass '
                      '--use_synthetic_data')
-  if not os.path.isfile(os.path.join(cache_dir, SQLITE_NAME)):
+  if not config.download:
     if not os.path.isdir(cache_dir):
       raise UsageError(f'--cache_dir={cache_dir} does not exist; it must hold '
                        f'{SQLITE_NAME} (TFF StackOverflow), or pass '
-                       '--use_synthetic_data')
-    if not config.download:
+                       '--download, or --use_synthetic_data')
+    if not os.path.isfile(os.path.join(cache_dir, SQLITE_NAME)):
       raise UsageError(f'--cache_dir={cache_dir} has no {SQLITE_NAME} (TFF '
                        'StackOverflow); pass --download to fetch it, or '
                        '--use_synthetic_data')
@@ -218,7 +218,8 @@ def synthetic_wikipedia_articles() -> dict:
   Titles are chosen so that some fall into the held-out evaluation bucket.
   """
   rng = np.random.default_rng(3)
-  candidates = [f'Synthetic article {i}' for i in range(100 * SYNTHETIC_ARTICLES)]
+  candidates = [f'Synthetic article {i}'
+                for i in range(100 * SYNTHETIC_ARTICLES)]
   held_out = is_wikipedia_eval_title(tf.constant(candidates)).numpy()
   # A tenth of the synthetic articles are held out (the real rule holds out
   # 1%), so the synthetic evaluation set is not tiny.
@@ -332,7 +333,8 @@ def _serving_preprocess(texts: tf.Tensor) -> tf.Tensor:
   return ids.to_tensor(PAD)
 
 
-def _positive_option(options, name, default) -> int:
+def positive_option(options, name, default) -> int:
+  """A task option that must be >= 1 (None: the default)."""
   value = options.get(name)
   value = default if value is None else value
   if int(value) < 1:
@@ -342,10 +344,10 @@ def _positive_option(options, name, default) -> int:
 
 def build_task(config: base.DataConfig) -> base.Task:
   options = config.options
-  embedding_dim = _positive_option(options, 'char_embedding_dim',
+  embedding_dim = positive_option(options, 'char_embedding_dim',
                                    DEFAULT_EMBEDDING_DIM)
-  gru_units = _positive_option(options, 'gru_units', DEFAULT_GRU_UNITS)
-  max_eval_sequences = _positive_option(options, 'max_eval_sequences',
+  gru_units = positive_option(options, 'gru_units', DEFAULT_GRU_UNITS)
+  max_eval_sequences = positive_option(options, 'max_eval_sequences',
                                         DEFAULT_MAX_EVAL_SEQUENCES)
   train, test = load_stackoverflow(config)
   wikipedia = Wikipedia(config)

@@ -37,8 +37,9 @@ from pipeline.errors import UsageError
 from tasks import base
 from tasks import stackoverflow_char
 
-SEQUENCE_LENGTH = tff.simulation.baselines.stackoverflow.DEFAULT_SEQUENCE_LENGTH
-DEFAULT_VOCAB_SIZE = tff.simulation.baselines.stackoverflow.DEFAULT_WORD_VOCAB_SIZE
+_BASELINE = tff.simulation.baselines.stackoverflow
+SEQUENCE_LENGTH = _BASELINE.DEFAULT_SEQUENCE_LENGTH
+DEFAULT_VOCAB_SIZE = _BASELINE.DEFAULT_WORD_VOCAB_SIZE
 NUM_OOV_BUCKETS = 1
 WORD_COUNT_NAME = 'stackoverflow.word_count'
 EMBEDDING_SIZE = 96
@@ -77,19 +78,12 @@ def load_vocab(config: base.DataConfig, vocab_size: int) -> list[str]:
       cache_dir=cache_dir, vocab_size=vocab_size))
 
 
-def _positive_option(options, name, default) -> int:
-  value = options.get(name)
-  value = default if value is None else value
-  if int(value) < 1:
-    raise UsageError(f'--{name} must be >= 1, got {value}')
-  return int(value)
-
-
 def build_task(config: base.DataConfig) -> base.Task:
   options = config.options
-  vocab_size = _positive_option(options, 'word_vocab_size', DEFAULT_VOCAB_SIZE)
-  max_eval_sequences = _positive_option(options, 'max_eval_sequences',
-                                        DEFAULT_MAX_EVAL_SEQUENCES)
+  vocab_size = stackoverflow_char.positive_option(
+      options, 'word_vocab_size', DEFAULT_VOCAB_SIZE)
+  max_eval_sequences = stackoverflow_char.positive_option(
+      options, 'max_eval_sequences', DEFAULT_MAX_EVAL_SEQUENCES)
   width = options.get('model_width', 1.0)
   if width <= 0:
     raise UsageError(f'--model_width must be > 0, got {width}')

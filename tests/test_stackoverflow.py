@@ -131,7 +131,8 @@ def test_central_batches_are_training_articles_only(char_task):
 
 
 def test_eval_sets(sources, char_task):
-  eval_sets = {name: list(d) for name, d in char_task.eval_datasets_fn().items()}
+  eval_sets = {name: list(dataset)
+               for name, dataset in char_task.eval_datasets_fn().items()}
   assert set(eval_sets) == {'', 'stackoverflow', 'wikipedia'}
   test_clients = sources['written']['test']
   expected_so = sorted(sum((_sequences(test_clients[c])
