@@ -314,6 +314,9 @@ def build_keras_model(embedding_dim: int = DEFAULT_EMBEDDING_DIM,
   return tf.keras.Sequential([
       tf.keras.layers.InputLayer(input_shape=(None,), dtype=tf.int64),
       tf.keras.layers.Embedding(CHAR_VOCAB_SIZE, embedding_dim),
+      # The GRU of tf.keras.layers.GRU (same math and weights, reset_after)
+      # without its cuDNN/generic implementation selector: TFF's runtime is
+      # CPU-only.
       tf.keras.layers.RNN(tf.keras.layers.GRUCell(gru_units),
                           return_sequences=True),
       tf.keras.layers.Dense(CHAR_VOCAB_SIZE),
