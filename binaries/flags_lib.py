@@ -74,6 +74,18 @@ flags.DEFINE_float('model_width', 1.0,
                    'channels); < 1 for small test models.')
 flags.DEFINE_boolean('emnist_only_digits', False,
                      'emnist: the 10-digit split instead of all 62 classes.')
+flags.DEFINE_integer('char_embedding_dim', None,
+                     'stackoverflow_char: character embedding size (default '
+                     '256).')
+flags.DEFINE_integer('gru_units', None,
+                     'stackoverflow_char: GRU units (default 1024).')
+flags.DEFINE_integer('word_vocab_size', None,
+                     'stackoverflow_word: most frequent words in the '
+                     'vocabulary (default 10000).')
+flags.DEFINE_integer('max_eval_sequences', None,
+                     'stackoverflow_char/_word: evaluation sequences per '
+                     'source (default 5000 / 10000; the real test splits are '
+                     'huge).')
 
 # Optimization (common).
 flags.DEFINE_string('client_optimizer', 'sgd', 'Client optimizer.')
@@ -149,6 +161,26 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         'federated_weight': 0.5,
         'central_weight': 0.5,
     },
+    # papers/002 Tables C.2, language model (Sec. 5.2).
+    'stackoverflow_char': {
+        # S=100 on the real data; the synthetic stand-in has 20 clients.
+        'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
+        'client_batch_size': 8,
+        'client_steps': 16,
+        # 2-w GT diverged above eta=1.0 (Appendix C.2).
+        'client_learning_rate': (
+            lambda f: 1.0 if f.algorithm == 'mixed_2wgt' else 2.0),
+        'server_learning_rate': 1.0,
+        # 1-w GT: K * S * |B_i| = 12800 halved "for practical computation
+        # reasons"; PT and 2-w GT: S * |B_i| per central step.
+        'central_batch_size': (
+            lambda f: 6400 if f.algorithm == 'mixed_1wgt' else 800),
+        'central_learning_rate': (
+            lambda f: f.client_learning_rate * f.server_learning_rate),
+        'merge_learning_rate': 1.0,
+        'federated_weight': 0.73,
+        'central_weight': 0.27,
+    },
 }
 
 
@@ -206,7 +238,9 @@ def _task_options() -> dict:
              'heterogeneity': FLAGS.heterogeneity,
              'model_width': FLAGS.model_width,
              'emnist_only_digits': FLAGS.emnist_only_digits}
-  for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha'):
+  for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha',
+               'char_embedding_dim', 'gru_units', 'word_vocab_size',
+               'max_eval_sequences'):
     if FLAGS[name].value is not None:
       options[name] = FLAGS[name].value
   return options

@@ -10,6 +10,8 @@ from tasks import digits
 from tasks import emnist
 from tasks import fedres_synthetic
 from tasks import movielens_ratings
+from tasks import stackoverflow_char
+from tasks import stackoverflow_word
 
 _BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
     'celeba_smile': celeba.build_task,
@@ -20,6 +22,8 @@ _BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
     'fedres_toy': fedres_synthetic.build_toy_task,
     'fedres_logistic': fedres_synthetic.build_logistic_task,
     'movielens_ratings': movielens_ratings.build_task,
+    'stackoverflow_char': stackoverflow_char.build_task,
+    'stackoverflow_word': stackoverflow_word.build_task,
 }
 NAMES = tuple(_BUILDERS)
 

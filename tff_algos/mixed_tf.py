@@ -52,10 +52,17 @@ def _assign(variables, values) -> None:
 
 def _weighted_gradient(tape: tf.GradientTape, loss: tf.Tensor,
                        variables: list[tf.Variable]) -> tuple:
-  """d loss / d variables; variables the loss does not touch get zeros."""
+  """d loss / d variables; variables the loss does not touch get zeros.
+
+  Dense: an embedding's gradient comes as tf.IndexedSlices, but gradients are
+  added to augmenting gradients, kept across steps and returned as state.
+  """
   gradients = tape.gradient(loss, variables)
-  return tuple(tf.zeros_like(v) if g is None else g
-               for g, v in zip(gradients, variables))
+  return tuple(
+      tf.zeros_like(v) if g is None else
+      # A dense IndexedSlices has an unknown first dimension.
+      tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
+      for g, v in zip(gradients, variables))
 
 
 def _optimizer_step(optimizer: tff.learning.optimizers.Optimizer, state,
