@@ -29,18 +29,22 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
   """
   name = os.path.basename(path)
   separator, layout = RATINGS_FORMATS[name]
-  try:
-    with open(path, encoding='latin-1') as f:
-      # np.loadtxt takes one-character delimiters only, hence the rewrite of
-      # ML-1M's `::` to tabs.
-      lines = (line.replace(separator, '\t') for line in f if line.strip())
-      table = np.loadtxt(lines, dtype=np.int64, delimiter='\t', ndmin=2)
-  except ValueError as e:
-    raise UsageError(f'{path} is not in the {name} format ({layout}): '
-                     f'{e}') from e
-  if table.shape[1] != 4 or not table.size:
-    raise UsageError(f'{path} is not in the {name} format ({layout}): it must '
-                     'have 4 fields per line and at least one rating')
+  rows = []
+  with open(path, encoding='latin-1') as f:
+    for line_number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      fields = line.rstrip('\r\n').split(separator)
+      try:
+        if len(fields) != 4:
+          raise ValueError(f'{len(fields)} fields')
+        rows.append([int(field) for field in fields])
+      except ValueError as e:
+        raise UsageError(f'{path}:{line_number} is not in the {name} format '
+                         f'({layout}): {e}') from e
+  if not rows:
+    raise UsageError(f'{path} has no ratings ({name} format: {layout})')
+  table = np.array(rows, np.int64)
   return {'user': table[:, 0], 'movie': table[:, 1],
           'rating': table[:, 2].astype(np.float32), 'timestamp': table[:, 3]}
 
