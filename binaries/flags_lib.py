@@ -175,7 +175,13 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
         'client_batch_size': 16,
         'client_steps': 10,
-        'client_learning_rate': 0.5,
+        # The baseline (spreadout on clients) optimizes the same objective
+        # f = w_f * hinge + w_c * spreadout at the same eta = 0.5, written as
+        # hinge + (w_c / w_f) * spreadout (--spreadout_weight=1) at
+        # eta * w_f = 0.25; mixed FL scales its gradients by w_f, w_c itself.
+        'client_learning_rate': (
+            lambda f: 0.5 if (f.algorithm or '').startswith('mixed_')
+            else 0.25),
         'server_learning_rate': 1.0,
         'central_learning_rate': (
             lambda f: f.client_learning_rate * f.server_learning_rate),
