@@ -17,7 +17,10 @@ of the baseline's, at least 90% less client computation and communication).
       --movielens_dir=../shared/data/movielens-100k \
       --root_output_dir=/tmp/movielens_mixed --total_rounds=100
 
-Runs that already have a checkpoint resume (same flags, more rounds).
+Runs that already have a checkpoint resume (same flags, more rounds); runs
+already at or past --total_rounds are not trained again, and every run is
+reported at round --total_rounds (recall@10 of the last evaluation up to it,
+costs averaged over rounds 1..total_rounds).
 """
 
 import argparse
@@ -52,10 +55,18 @@ def train(name, algorithm, args, extra_flags):
   subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
 
 
-def summary(run_dir):
+def read_rows(run_dir, total_rounds):
+  path = os.path.join(run_dir, 'metrics.csv')
+  if not os.path.exists(path):
+    return []
+  with open(path, newline='') as f:
+    return [row for row in csv.DictReader(f)
+            if int(row['round_num']) <= total_rounds]
+
+
+def summary(run_dir, total_rounds):
   """Last recall@10, and per-round means of client FLOPs and floats sent."""
-  with open(os.path.join(run_dir, 'metrics.csv'), newline='') as f:
-    rows = list(csv.DictReader(f))
+  rows = read_rows(run_dir, total_rounds)
 
   def mean(metric):
     values = [float(row[metric]) for row in rows if row.get(metric)]
@@ -91,8 +102,10 @@ def main():
 
   results = {}
   for name, algorithm in RUNS:
-    train(name, algorithm, args, data_flags)
-    results[name] = summary(os.path.join(args.root_output_dir, name))
+    run_dir = os.path.join(args.root_output_dir, name)
+    if len(read_rows(run_dir, args.total_rounds)) < args.total_rounds:
+      train(name, algorithm, args, data_flags)
+    results[name] = summary(run_dir, args.total_rounds)
 
   base = results['baseline']
   print(f'\nmovielens, {args.total_rounds} rounds; per client and round: '

@@ -5,6 +5,12 @@ server broadcasts) and uploads (what the server aggregates from it), as
 `communication/bytes_down_per_client` and `communication/bytes_up_per_client`.
 The sizes come from the TFF types of the broadcast and uploaded values, so a
 change to what an algorithm sends changes its accounting with it.
+
+Tasks whose clients need only some rows of an embedding table (movielens) also
+model per-client costs analytically (`Task.client_cost_fn`);
+`add_client_costs` turns them into `train/client_*` metrics: FLOPs, touched
+rows, and the floats a sparse-row implementation would send, derived from the
+dense accounting above (docs/movielens.md).
 """
 
 import collections
