@@ -177,8 +177,16 @@ def build_fixture_task(directory, **options):
                    movielens_context_length=3, **options)))
 
 
-def test_client_dataset_holds_the_users_examples(fixture_dir):
-  task = build_fixture_task(fixture_dir)
+@pytest.fixture(scope='module')
+def fixture_tasks(fixture_dir):
+  """spreadout_on_clients -> the task on the fixture files."""
+  return {on_clients: build_fixture_task(fixture_dir,
+                                         spreadout_on_clients=on_clients)
+          for on_clients in (False, True)}
+
+
+def test_client_dataset_holds_the_users_examples(fixture_dir, fixture_tasks):
+  task = fixture_tasks[False]
   assert task.num_train_clients == 26  # 40 users: 8 server, 3 val, 3 test.
   client_id = task.train_client_ids[0]
   batches = list(task.client_dataset_computation((client_id, np.int64(1))))
@@ -194,8 +202,8 @@ def test_client_dataset_holds_the_users_examples(fixture_dir):
       assert (tuple(c), int(l)) in expected
 
 
-def test_synthetic_data_has_the_real_element_structure(fixture_dir):
-  real = build_fixture_task(fixture_dir)
+def test_synthetic_data_has_the_real_element_structure(fixture_tasks):
+  real = fixture_tasks[False]
   synthetic = movielens.build_task(base.DataConfig(
       use_synthetic_data=True, client_steps=3, client_batch_size=2,
       options=dict(movielens_context_length=3)))
@@ -206,8 +214,8 @@ def test_synthetic_data_has_the_real_element_structure(fixture_dir):
 
 
 @pytest.mark.parametrize('on_clients', [False, True])
-def test_client_cost_counts_touched_rows_and_flops(fixture_dir, on_clients):
-  task = build_fixture_task(fixture_dir, spreadout_on_clients=on_clients)
+def test_client_cost_counts_touched_rows_and_flops(fixture_tasks, on_clients):
+  task = fixture_tasks[on_clients]
   context = np.array([[0, 3, 5], [0, 0, 3], [1, 2, 3]], np.int32)
   label = np.array([[7], [5], [4]], np.int32)
   dataset = tf.data.Dataset.from_tensor_slices((context, label)).batch(2)
