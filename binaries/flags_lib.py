@@ -45,7 +45,9 @@ flags.DEFINE_string('data_dir', None, 'TFDS data directory.')
 flags.DEFINE_boolean('download', False,
                      'Allow downloading a missing dataset into --cache_dir.')
 flags.DEFINE_string('movielens_dir', None,
-                    'Directory of MovieLens files (ML-100K u.data/u.item).')
+                    'Directory of MovieLens files (movielens: ML-1M ratings.dat or '
+                    'ML-100K u.data; movielens_ratings: ML-100K u.data, '
+                    'u.item).')
 flags.DEFINE_float('heterogeneity', 1.0,
                    'fedres_logistic: alpha of papers/000 eq. 13 in [0, 1]; 0 '
                    'gives every client the same distribution.')
@@ -86,6 +88,21 @@ flags.DEFINE_integer('max_eval_sequences', None,
                      'stackoverflow_char/_word: evaluation sequences per '
                      'source (default 5000 / 10000; the real test splits are '
                      'huge).')
+flags.DEFINE_integer('movielens_embedding_dim', None,
+                     'movielens: width d of the shared movie embedding '
+                     '(default 16).')
+flags.DEFINE_integer('movielens_context_length', None,
+                     'movielens: movies in an example\'s context bag, the '
+                     'latest before the label (default 10).')
+flags.DEFINE_boolean('spreadout_on_clients', False,
+                     'movielens: add the spreadout regularizer of the full '
+                     'embedding table to every client\'s loss (default: on '
+                     'for non-mixed algorithms, the baseline; off for mixed '
+                     'FL, which computes it at the server).')
+flags.DEFINE_float('spreadout_weight', 1.0,
+                   'movielens: weight of the spreadout term in the client '
+                   'loss with --spreadout_on_clients (1 = w_c / w_f of the '
+                   'mixed objective with the paper\'s w_f = w_c).')
 
 # Optimization (common).
 flags.DEFINE_string('client_optimizer', 'sgd', 'Client optimizer.')
@@ -181,6 +198,31 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         'federated_weight': 0.73,
         'central_weight': 0.27,
     },
+    # papers/002 Table C.2 (movie recommender): S=100, |B_i|=16, K=10,
+    # eta=0.5, eta_s=1, eta_c=eta, eta_m=1, w_f=w_c=0.5; the central loss is
+    # data-free (spreadout), computed at the server by the mixed algorithms
+    # and on the clients by the baseline.
+    'movielens': {
+        # The synthetic stand-in has 38 train clients.
+        'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
+        'client_batch_size': 16,
+        'client_steps': 10,
+        # The baseline (spreadout on clients) optimizes the same objective
+        # f = w_f * hinge + w_c * spreadout at the same eta = 0.5, written as
+        # hinge + (w_c / w_f) * spreadout (--spreadout_weight=1) at
+        # eta * w_f = 0.25; mixed FL scales its gradients by w_f, w_c itself.
+        'client_learning_rate': (
+            lambda f: 0.5 if (f.algorithm or '').startswith('mixed_')
+            else 0.25),
+        'server_learning_rate': 1.0,
+        'central_learning_rate': (
+            lambda f: f.client_learning_rate * f.server_learning_rate),
+        'merge_learning_rate': 1.0,
+        'federated_weight': 0.5,
+        'central_weight': 0.5,
+        'spreadout_on_clients': (
+            lambda f: not (f.algorithm or '').startswith('mixed_')),
+    },
 }
 
 
@@ -237,10 +279,13 @@ def _task_options() -> dict:
              'movielens_dir': FLAGS.movielens_dir,
              'heterogeneity': FLAGS.heterogeneity,
              'model_width': FLAGS.model_width,
-             'emnist_only_digits': FLAGS.emnist_only_digits}
+             'emnist_only_digits': FLAGS.emnist_only_digits,
+             'spreadout_on_clients': FLAGS.spreadout_on_clients,
+             'spreadout_weight': FLAGS.spreadout_weight}
   for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha',
                'char_embedding_dim', 'gru_units', 'word_vocab_size',
-               'max_eval_sequences'):
+               'max_eval_sequences', 'movielens_embedding_dim',
+               'movielens_context_length'):
     if FLAGS[name].value is not None:
       options[name] = FLAGS[name].value
   return options

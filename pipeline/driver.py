@@ -156,7 +156,8 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
   os.makedirs(run_dir, exist_ok=True)
 
   process = contract.compose_by_id(algorithm, task.client_dataset_computation,
-                                   task.server_dataset_computation)
+                                   task.server_dataset_computation,
+                                   task.client_cost_fn)
   store = None
   if algorithm.has_client_state:
     store = client_store_lib.open_store(
