@@ -30,12 +30,16 @@ def type_bytes(value_type: tff.Type) -> int:
   raise ValueError(f'cannot size a value of type {value_type}')
 
 
+def metrics(bytes_down: int, bytes_up: int) -> collections.OrderedDict:
+  """The round's communication metrics (the native runtime's value)."""
+  return collections.OrderedDict(
+      bytes_down_per_client=np.int64(bytes_down),
+      bytes_up_per_client=np.int64(bytes_up))
+
+
 def metrics_at_server(bytes_down: int, bytes_up: int):
   """The round's communication metrics, placed at the server.
 
   Call inside a `tff.federated_computation`.
   """
-  return tff.federated_value(
-      collections.OrderedDict(
-          bytes_down_per_client=np.int64(bytes_down),
-          bytes_up_per_client=np.int64(bytes_up)), tff.SERVER)
+  return tff.federated_value(metrics(bytes_down, bytes_up), tff.SERVER)
