@@ -5,8 +5,8 @@ eagerly: its batch steps are compiled, its loops are Python) client by client,
 then aggregates as the process does: uniform mean of the deltas, sum of the
 control deltas over N (`fedres_tff.server_update`). Parity with the TFF
 process is tested. On tiny problems TFF's per-round overhead dominates, so
-scripted experiments and long convergence tests use this; the driver runs the
-TFF process.
+scripted experiments and long convergence tests use this, and so does the
+driver under `--runtime=native` (`tff_algos.native`).
 """
 
 import collections
