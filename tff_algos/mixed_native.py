@@ -7,8 +7,10 @@ update; metrics summed then finalized.
 """
 
 import collections
+import functools
 from typing import Callable
 
+import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_algos import communication
@@ -38,6 +40,9 @@ class MixedRounds:
     self._central_loss = central_loss
     self._metric_finalizers = metric_finalizers
     self._communication = communication.metrics(*communication_bytes)
+    # Traced, as inside the TFF computation: optimizers take tensors.
+    self._server_update = tf.function(functools.partial(
+        mixed_tf.server_update, settings, server_optimizer, merge_optimizer))
 
   def initialize(self):
     return native.to_numpy(mixed_tf.initial_server_state(
@@ -73,8 +78,7 @@ class MixedRounds:
       client_delta_sum = native.sum_structures(deltas)
       client_steps_sum = native.sum_structures(
           [u['num_steps'] for u in uploads])
-    new_state = native.to_numpy(mixed_tf.server_update(
-        settings, self._server_optimizer, self._merge_optimizer,
+    new_state = native.to_numpy(self._server_update(
         server_state, central, native.weighted_mean(deltas, weights),
         native.sum_structures(weights), client_delta_sum, client_steps_sum))
 

@@ -15,6 +15,7 @@ Conventions, as in the paper:
 """
 
 import collections
+import dataclasses
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
@@ -298,24 +299,19 @@ def mixing_diagnostics(federated_gradient: Weights, central_gradient: Weights,
 # TFF computations, `mixed_native` calls them in-process).
 
 
+@dataclasses.dataclass(frozen=True)
 class RoundSettings:
   """What distinguishes PT, 1-w GT and 2-w GT, and their hyperparameters."""
-
-  def __init__(self, has_central_model: bool, transfers_gradients: bool,
-               keeps_augmenting_gradients: bool, data_free: bool,
-               central_steps: Optional[int], federated_weight: float,
-               central_weight: float, client_learning_rate: float,
-               central_learning_rate: float, diagnostics: bool):
-    self.has_central_model = has_central_model
-    self.transfers_gradients = transfers_gradients
-    self.keeps_augmenting_gradients = keeps_augmenting_gradients
-    self.data_free = data_free
-    self.central_steps = central_steps
-    self.federated_weight = federated_weight
-    self.central_weight = central_weight
-    self.client_learning_rate = client_learning_rate
-    self.central_learning_rate = central_learning_rate
-    self.diagnostics = diagnostics
+  has_central_model: bool  # PT, 2-w GT.
+  transfers_gradients: bool  # 1-w GT, 2-w GT.
+  keeps_augmenting_gradients: bool  # 2-w GT.
+  data_free: bool  # The central loss needs no server data.
+  central_steps: Optional[int]
+  federated_weight: float
+  central_weight: float
+  client_learning_rate: float
+  central_learning_rate: float
+  diagnostics: bool
 
 
 def central_work(settings: RoundSettings,
