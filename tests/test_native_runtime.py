@@ -19,6 +19,7 @@ from pipeline import export as export_lib
 from pipeline import tff_runtime
 from tasks import base
 import fedres_testing
+from tff_algos import native
 from tff_algos import registry as algorithm_registry
 from tff_algos.config import AlgorithmConfig
 
@@ -78,6 +79,24 @@ def tiny_task(client_steps=None) -> base.Task:
           lambda x: x, lambda y: {'logit': y}),
       server_dataset_computation=base.server_dataset_computation(
           server_dataset))
+
+
+def test_native_datasets_are_the_tff_computations_datasets(task):
+  # With a global seed set (as the driver sets it to initialize the model),
+  # an eagerly built `shuffle(seed=s)` would draw other batches than the
+  # same pipeline inside a TFF computation.
+  tf.random.set_seed(1)
+  client_dataset = native.graph_mode_dataset_fn(
+      task.client_dataset_fn, (tf.TensorSpec([], tf.string),
+                               tf.TensorSpec([], tf.int64)))
+  for client_id, seed in (('4', 7), ('4', 8), ('2', 7)):
+    from_tff = list(task.client_dataset_computation(client_id, seed))
+    from_native = list(client_dataset(tf.constant(client_id),
+                                      tf.constant(seed, tf.int64)))
+    assert_structures_close(from_native, from_tff)
+  assert not np.array_equal(
+      *[np.asarray(list(task.client_dataset_computation('4', s))[0][0])
+        for s in (7, 8)])
 
 
 CONFIGS = {
