@@ -27,7 +27,10 @@ flags.DEFINE_enum('client_state_store', 'auto',
                   ['auto'] + list(client_store.BACKENDS),
                   'Where per-client state lives (auto: sqlite from '
                   f'{client_store.AUTO_SQLITE_MIN_CLIENTS} train clients on).')
-flags.DEFINE_enum('runtime', 'tff', ['tff'], 'Execution runtime.')
+flags.DEFINE_enum('runtime', 'tff', ['tff', 'native'],
+                  'Execution runtime: tff (TFF\'s C++ runtime) or native (the '
+                  'same TF functions run in-process in TF, clients one after '
+                  'another, so TF places them on a GPU if there is one).')
 flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                      'Cap on concurrent calls in the TFF C++ runtime '
                      '(<= 0: no cap).')

@@ -27,7 +27,8 @@ def run_config() -> driver.RunConfig:
       rounds_per_eval=FLAGS.rounds_per_eval,
       rounds_per_checkpoint=FLAGS.rounds_per_checkpoint,
       seed=FLAGS.seed,
-      client_state_store=FLAGS.client_state_store)
+      client_state_store=FLAGS.client_state_store,
+      runtime=FLAGS.runtime)
 
 
 def main(argv):
@@ -40,7 +41,8 @@ def main(argv):
     raise UsageError(f'--task={FLAGS.task!r} is unknown; allowed: '
                      f'{", ".join(task_registry.NAMES)}')
   task_defaults = flags_lib.apply_task_defaults(FLAGS.task)
-  tff_runtime.configure_execution(FLAGS.max_concurrent_computation_calls)
+  if FLAGS.runtime == 'tff':  # The native runtime never starts TFF's.
+    tff_runtime.configure_execution(FLAGS.max_concurrent_computation_calls)
   task = task_registry.build_task(FLAGS.task, flags_lib.data_config())
   flags_lib.apply_built_task_defaults(task)
   config = run_config()

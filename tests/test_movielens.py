@@ -243,7 +243,7 @@ def test_costs_replace_whole_model_copies_by_the_touched_rows():
   costs = collections.OrderedDict(
       flops=tf.constant(5.0), touched_rows=tf.constant(25.0),
       model_floats=tf.constant(sparse), full_model_floats=tf.constant(full))
-  train = communication._with_client_costs(metrics, costs)['train']  # pylint: disable=protected-access
+  train = communication.with_client_costs(metrics, costs)["train"]
   assert float(train['client_floats_down']) == 2 * sparse + 2
   assert float(train['client_floats_up']) == sparse + 3
   assert float(train['client_comm_floats']) == 3 * sparse + 5

@@ -37,15 +37,19 @@ def type_bytes(value_type: tff.Type) -> int:
   raise ValueError(f'cannot size a value of type {value_type}')
 
 
+def metrics(bytes_down: int, bytes_up: int) -> collections.OrderedDict:
+  """The round's communication metrics (the native runtime's value)."""
+  return collections.OrderedDict(
+      bytes_down_per_client=np.int64(bytes_down),
+      bytes_up_per_client=np.int64(bytes_up))
+
+
 def metrics_at_server(bytes_down: int, bytes_up: int):
   """The round's communication metrics, placed at the server.
 
   Call inside a `tff.federated_computation`.
   """
-  return tff.federated_value(
-      collections.OrderedDict(
-          bytes_down_per_client=np.int64(bytes_down),
-          bytes_up_per_client=np.int64(bytes_up)), tff.SERVER)
+  return tff.federated_value(metrics(bytes_down, bytes_up), tff.SERVER)
 
 
 # --- Analytic per-client costs of tasks with sparse embedding rows -----------
@@ -62,7 +66,7 @@ CLIENT_COST_FIELDS = (
 )
 
 
-def _with_client_costs(metrics, costs):
+def with_client_costs(metrics, costs):
   """TF: metrics + cohort-mean costs -> metrics with train/client_* added.
 
   The dense byte counts say how many whole model-sized values an algorithm
@@ -108,7 +112,7 @@ def add_client_costs(metrics, client_costs):
 
   @tff.tensorflow.computation(metrics_type, costs_type)
   def merge(metrics, costs):
-    return _with_client_costs(_as_dicts(metrics), costs)
+    return with_client_costs(_as_dicts(metrics), costs)
 
   return tff.federated_map(merge, tff.federated_zip((metrics, mean_costs)))
 

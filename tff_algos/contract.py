@@ -21,7 +21,8 @@ writing the global model.
 `compose_by_id` turns that into what the driver runs: clients are passed by
 id (plus a per-round shuffle seed and their stored state) and every dataset is
 built inside the TFF computation (SPEC 4.4), so no dataset is serialized from
-Python each round.
+Python each round. `tff_algos.native.compose_by_id` gives the same interface
+for the in-process runtime (SPEC 4.7).
 """
 
 import collections
@@ -69,6 +70,9 @@ class FederatedAlgorithm:
   flag_names: tuple[str, ...] = ()
   # Set when client states hold personal models (needs client state).
   personalization: Optional[Personalization] = None
+  # Builds the in-process equivalent of `process` for --runtime=native
+  # (`tff_algos.native.NativeRounds`); None if the algorithm has none.
+  native_process_fn: Optional[Callable[[], Any]] = None
 
   @property
   def has_client_state(self) -> bool:
