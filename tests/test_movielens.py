@@ -243,7 +243,7 @@ def test_costs_replace_whole_model_copies_by_the_touched_rows():
   costs = collections.OrderedDict(
       flops=tf.constant(5.0), touched_rows=tf.constant(25.0),
       model_floats=tf.constant(sparse), full_model_floats=tf.constant(full))
-  train = communication.with_client_costs(metrics, costs)["train"]
+  train = communication.with_client_costs(metrics, costs)['train']
   assert float(train['client_floats_down']) == 2 * sparse + 2
   assert float(train['client_floats_up']) == sparse + 3
   assert float(train['client_comm_floats']) == 3 * sparse + 5
@@ -294,6 +294,11 @@ def one_round_runs(tmp_path_factory):
     algorithm = registry.build_algorithm(name, task.model_fn, config)
     results[name] = driver.train(algorithm, task, driver.RunConfig(
         root, name, total_rounds=1, clients_per_round=4, export=False))
+    if name == 'mixed_2wgt':
+      results['mixed_2wgt_native'] = driver.train(
+          algorithm, task, driver.RunConfig(
+              root, 'mixed_2wgt_native', total_rounds=1, clients_per_round=4,
+              export=False, runtime='native'))
   return results
 
 
@@ -311,8 +316,19 @@ def test_every_algorithm_trains_and_reports_recall_and_costs(
     assert np.isfinite(metrics['central/loss'])
 
 
+def test_native_runtime_reports_the_same_costs(one_round_runs):
+  tff_metrics = one_round_runs['mixed_2wgt'].last_metrics
+  native_metrics = one_round_runs['mixed_2wgt_native'].last_metrics
+  train_keys = [k for k in tff_metrics if k.startswith('train/')]
+  assert 'train/client_comm_floats' in train_keys
+  for key in train_keys + ['eval/recall_at_10']:
+    np.testing.assert_allclose(native_metrics[key], tff_metrics[key],
+                               rtol=1e-5, err_msg=key)
+
+
 def test_mixed_clients_compute_and_send_far_less(one_round_runs):
-  metrics = {name: run.last_metrics for name, run in one_round_runs.items()}
+  metrics = {name: run.last_metrics for name, run in one_round_runs.items()
+             if name in ALGORITHMS}
   d, num_rows = 4, movielens.SYNTHETIC_MOVIES + 1
   full = num_rows * d + d * d + d
   baseline = metrics['fedavg']

@@ -108,9 +108,13 @@ class NativeProcessById:
     server_state, new_client_states, metrics = self._rounds.next(
         server_state, datasets, client_states, server_data)
     if self._client_cost is not None:
-      # As in `contract.compose_by_id`: a second pass over each client's
-      # seeded dataset, cohort mean, merged into the round's metrics.
-      costs = mean([to_numpy(self._client_cost(d)) for d in datasets])
+      # As in `contract.compose_by_id`: each client's dataset built again
+      # (iterating the trained-on dataset object again would reshuffle it;
+      # TFF rebuilds a dataset value from its graph for every consumer),
+      # cohort mean, merged into the round's metrics.
+      costs = mean([to_numpy(self._client_cost(self._client_dataset(
+          tf.constant(client['id'], tf.string),
+          tf.constant(client['seed'], tf.int64)))) for client in client_inputs])
       metrics = to_numpy(communication.with_client_costs(metrics, costs))
     if self._has_client_state:
       client_outputs = [collections.OrderedDict(state=state)
