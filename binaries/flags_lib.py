@@ -28,7 +28,10 @@ flags.DEFINE_enum('client_state_store', 'auto',
                   ['auto'] + list(client_store.BACKENDS),
                   'Where per-client state lives (auto: sqlite from '
                   f'{client_store.AUTO_SQLITE_MIN_CLIENTS} train clients on).')
-flags.DEFINE_enum('runtime', 'tff', ['tff'], 'Execution runtime.')
+flags.DEFINE_enum('runtime', 'tff', ['tff', 'native'],
+                  'Execution runtime: tff (TFF\'s C++ runtime) or native (the '
+                  'same TF functions run in-process in TF, clients one after '
+                  'another, so TF places them on a GPU if there is one).')
 flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                      'Cap on concurrent calls in the TFF C++ runtime '
                      '(<= 0: no cap).')
@@ -53,7 +56,9 @@ flags.DEFINE_string('data_dir', None, 'TFDS data directory.')
 flags.DEFINE_boolean('download', False,
                      'Allow downloading a missing dataset into --cache_dir.')
 flags.DEFINE_string('movielens_dir', None,
-                    'Directory of MovieLens files (ML-100K u.data/u.item).')
+                    'Directory of MovieLens files (movielens: ML-1M ratings.dat or '
+                    'ML-100K u.data; movielens_ratings: ML-100K u.data, '
+                    'u.item).')
 flags.DEFINE_float('heterogeneity', 1.0,
                    'fedres_logistic: alpha of papers/000 eq. 13 in [0, 1]; 0 '
                    'gives every client the same distribution.')
@@ -82,6 +87,33 @@ flags.DEFINE_float('model_width', 1.0,
                    'channels); < 1 for small test models.')
 flags.DEFINE_boolean('emnist_only_digits', False,
                      'emnist: the 10-digit split instead of all 62 classes.')
+flags.DEFINE_integer('char_embedding_dim', None,
+                     'stackoverflow_char: character embedding size (default '
+                     '256).')
+flags.DEFINE_integer('gru_units', None,
+                     'stackoverflow_char: GRU units (default 1024).')
+flags.DEFINE_integer('word_vocab_size', None,
+                     'stackoverflow_word: most frequent words in the '
+                     'vocabulary (default 10000).')
+flags.DEFINE_integer('max_eval_sequences', None,
+                     'stackoverflow_char/_word: evaluation sequences per '
+                     'source (default 5000 / 10000; the real test splits are '
+                     'huge).')
+flags.DEFINE_integer('movielens_embedding_dim', None,
+                     'movielens: width d of the shared movie embedding '
+                     '(default 16).')
+flags.DEFINE_integer('movielens_context_length', None,
+                     'movielens: movies in an example\'s context bag, the '
+                     'latest before the label (default 10).')
+flags.DEFINE_boolean('spreadout_on_clients', False,
+                     'movielens: add the spreadout regularizer of the full '
+                     'embedding table to every client\'s loss (default: on '
+                     'for non-mixed algorithms, the baseline; off for mixed '
+                     'FL, which computes it at the server).')
+flags.DEFINE_float('spreadout_weight', 1.0,
+                   'movielens: weight of the spreadout term in the client '
+                   'loss with --spreadout_on_clients (1 = w_c / w_f of the '
+                   'mixed objective with the paper\'s w_f = w_c).')
 
 # Optimization (common).
 flags.DEFINE_string('client_optimizer', 'sgd', 'Client optimizer.')
@@ -157,6 +189,51 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         'federated_weight': 0.5,
         'central_weight': 0.5,
     },
+    # papers/002 Tables C.2, language model (Sec. 5.2).
+    'stackoverflow_char': {
+        # S=100 on the real data; the synthetic stand-in has 20 clients.
+        'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
+        'client_batch_size': 8,
+        'client_steps': 16,
+        # 2-w GT diverged above eta=1.0 (Appendix C.2).
+        'client_learning_rate': (
+            lambda f: 1.0 if f.algorithm == 'mixed_2wgt' else 2.0),
+        'server_learning_rate': 1.0,
+        # 1-w GT: K * S * |B_i| = 12800 halved "for practical computation
+        # reasons"; PT and 2-w GT: S * |B_i| per central step.
+        'central_batch_size': (
+            lambda f: 6400 if f.algorithm == 'mixed_1wgt' else 800),
+        'central_learning_rate': (
+            lambda f: f.client_learning_rate * f.server_learning_rate),
+        'merge_learning_rate': 1.0,
+        'federated_weight': 0.73,
+        'central_weight': 0.27,
+    },
+    # papers/002 Table C.2 (movie recommender): S=100, |B_i|=16, K=10,
+    # eta=0.5, eta_s=1, eta_c=eta, eta_m=1, w_f=w_c=0.5; the central loss is
+    # data-free (spreadout), computed at the server by the mixed algorithms
+    # and on the clients by the baseline.
+    'movielens': {
+        # The synthetic stand-in has 38 train clients.
+        'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
+        'client_batch_size': 16,
+        'client_steps': 10,
+        # The baseline (spreadout on clients) optimizes the same objective
+        # f = w_f * hinge + w_c * spreadout at the same eta = 0.5, written as
+        # hinge + (w_c / w_f) * spreadout (--spreadout_weight=1) at
+        # eta * w_f = 0.25; mixed FL scales its gradients by w_f, w_c itself.
+        'client_learning_rate': (
+            lambda f: 0.5 if (f.algorithm or '').startswith('mixed_')
+            else 0.25),
+        'server_learning_rate': 1.0,
+        'central_learning_rate': (
+            lambda f: f.client_learning_rate * f.server_learning_rate),
+        'merge_learning_rate': 1.0,
+        'federated_weight': 0.5,
+        'central_weight': 0.5,
+        'spreadout_on_clients': (
+            lambda f: not (f.algorithm or '').startswith('mixed_')),
+    },
 }
 
 
@@ -221,8 +298,13 @@ def _task_options() -> dict:
              'movielens_dir': FLAGS.movielens_dir,
              'heterogeneity': FLAGS.heterogeneity,
              'model_width': FLAGS.model_width,
-             'emnist_only_digits': FLAGS.emnist_only_digits}
-  for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha'):
+             'emnist_only_digits': FLAGS.emnist_only_digits,
+             'spreadout_on_clients': FLAGS.spreadout_on_clients,
+             'spreadout_weight': FLAGS.spreadout_weight}
+  for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha',
+               'char_embedding_dim', 'gru_units', 'word_vocab_size',
+               'max_eval_sequences', 'movielens_embedding_dim',
+               'movielens_context_length'):
     if FLAGS[name].value is not None:
       options[name] = FLAGS[name].value
   return options

@@ -46,7 +46,8 @@ def load_run_flags() -> None:
 
 
 def build_task():
-  tff_runtime.configure_execution(FLAGS.max_concurrent_computation_calls)
+  if FLAGS.runtime == 'tff':  # The native runtime never starts TFF's.
+    tff_runtime.configure_execution(FLAGS.max_concurrent_computation_calls)
   return task_registry.build_task(FLAGS.task, flags_lib.data_config())
 
 
@@ -63,6 +64,8 @@ def load_checkpoint_weights(task):
     round_num = checkpoints.latest_round()
     if round_num is None:
       raise UsageError(f'{run_dir()}/checkpoints has no checkpoint')
-  structure = driver.program_state_structure(algorithm, round_num)
+  structure = driver.program_state_structure(
+      algorithm, round_num,
+      driver.compose_process(algorithm, task, FLAGS.runtime))
   state = checkpoints.load(round_num, structure)
   return round_num, algorithm.get_model_weights(state['server_state'])

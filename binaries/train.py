@@ -26,7 +26,8 @@ def run_config() -> driver.RunConfig:
       rounds_per_eval=FLAGS.rounds_per_eval,
       rounds_per_checkpoint=FLAGS.rounds_per_checkpoint,
       seed=FLAGS.seed,
-      client_state_store=FLAGS.client_state_store)
+      client_state_store=FLAGS.client_state_store,
+      runtime=FLAGS.runtime)
 
 
 def main(argv):
@@ -39,7 +40,8 @@ def main(argv):
     raise UsageError(f'--task={FLAGS.task!r} is unknown; allowed: '
                      f'{", ".join(task_registry.NAMES)}')
   task_defaults = flags_lib.apply_task_defaults(FLAGS.task)
-  flags_lib.configure_execution()
+  if FLAGS.runtime == 'tff':  # The native runtime never starts TFF's.
+    flags_lib.configure_execution()
   task = task_registry.build_task(FLAGS.task, flags_lib.data_config())
   flags_lib.apply_built_task_defaults(task)
   config = run_config()

@@ -27,6 +27,7 @@ from pipeline import export as export_lib
 from pipeline.errors import UsageError
 from tasks import base
 from tff_algos import contract
+from tff_algos import native
 
 CHECKPOINT_PREFIX = 'round_'
 
@@ -43,6 +44,8 @@ class RunConfig:
   client_state_store: str = 'auto'
   checkpoints_to_keep: int = 3
   export: bool = True
+  # 'tff' (TFF's runtime) or 'native' (in-process TF, SPEC 4.7).
+  runtime: str = 'tff'
 
   @property
   def run_dir(self) -> str:
@@ -63,6 +66,9 @@ class RunConfig:
       raise UsageError(
           f'--client_state_store={self.client_state_store!r} is unknown; '
           f'allowed: auto, {", ".join(client_store_lib.BACKENDS)}')
+    if self.runtime not in native.RUNTIMES:
+      raise UsageError(f'--runtime={self.runtime!r} is unknown; allowed: '
+                       f'{", ".join(native.RUNTIMES)}')
     if not self.experiment_name or os.sep in self.experiment_name:
       raise UsageError(f'--experiment_name={self.experiment_name!r} must be a '
                        'non-empty name without path separators')
@@ -99,10 +105,28 @@ def initial_model_weights(task: base.Task,
   return tff.learning.models.ModelWeights.from_model(task.keras_model_fn())
 
 
+def compose_process(algorithm: contract.FederatedAlgorithm, task: base.Task,
+                    runtime: str = 'tff'):
+  """The by-id process the driver runs, on the chosen runtime.
+
+  Both have `initialize()` and `next(server_state, client_inputs,
+  server_seed)` with the same Python structures in and out.
+  """
+  if runtime == 'native':
+    return native.compose_by_id(algorithm, task.client_dataset_fn,
+                                task.server_dataset_fn, f'--task={task.name}',
+                                task.client_cost_fn)
+  return contract.compose_by_id(algorithm, task.client_dataset_computation,
+                                task.server_dataset_computation,
+                                task.client_cost_fn)
+
+
 def program_state_structure(algorithm: contract.FederatedAlgorithm,
-                            round_num: int):
-  """The structure a checkpoint of `algorithm` is loaded into."""
-  return _program_state(round_num, algorithm.process.initialize(), b'')
+                            round_num: int, process=None):
+  """The structure a checkpoint of `algorithm` is loaded into; `process` is
+  the composed process to initialize (default: the TFF one)."""
+  process = process or algorithm.process
+  return _program_state(round_num, process.initialize(), b'')
 
 
 def _program_state(round_num: int, server_state, store_bytes: bytes):
@@ -155,8 +179,7 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
   run_dir = config.run_dir
   os.makedirs(run_dir, exist_ok=True)
 
-  process = contract.compose_by_id(algorithm, task.client_dataset_computation,
-                                   task.server_dataset_computation)
+  process = compose_process(algorithm, task, config.runtime)
   store = None
   if algorithm.has_client_state:
     store = client_store_lib.open_store(

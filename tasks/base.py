@@ -107,10 +107,27 @@ class Task:
   residual_spec: Optional[residual.ResidualModelSpec] = None
   # Per-client held-out data for personalized evaluation; None if none.
   personal_eval_data: Optional[PersonalEvalData] = None
+  # A client's round dataset (the batches it trains on) -> its analytic
+  # costs (tff_algos.communication.CLIENT_COST_FIELDS), reported per round
+  # as train/client_*; None if the task does not model them.
+  client_cost_fn: Optional[
+      Callable[[tf.data.Dataset], Mapping[str, tf.Tensor]]] = None
 
   @property
   def num_train_clients(self) -> int:
     return len(self.train_client_ids)
+
+  @property
+  def client_dataset_fn(self) -> Optional[Callable]:
+    """The TF function `(id, seed) -> dataset` behind
+    `client_dataset_computation` (for runtimes without TFF); None unless
+    that computation was made by `client_dataset_computation` below."""
+    return dataset_fn_of(self.client_dataset_computation)
+
+  @property
+  def server_dataset_fn(self) -> Optional[Callable]:
+    """`seed -> dataset` behind `server_dataset_computation`, likewise."""
+    return dataset_fn_of(self.server_dataset_computation)
 
   def model_fn(self) -> tff.learning.models.VariableModel:
     return tff.learning.models.from_keras_model(
@@ -135,6 +152,21 @@ def client_batches(examples: tf.data.Dataset, config: DataConfig,
 
 
 CLIENT_DATASET_ARGS = tff.StructType([('id', np.str_), ('seed', np.int64)])
+# The computations below keep the TF function they wrap under this attribute,
+# so the native runtime (SPEC 4.7) builds the same datasets without TFF.
+_DATASET_FN_ATTRIBUTE = 'python_dataset_fn'
+
+
+def _with_dataset_fn(computation: tff.Computation,
+                     dataset_fn: Callable) -> tff.Computation:
+  setattr(computation, _DATASET_FN_ATTRIBUTE, dataset_fn)
+  return computation
+
+
+def dataset_fn_of(computation: Optional[tff.Computation]
+                  ) -> Optional[Callable]:
+  """The TF function a dataset computation of this module wraps, or None."""
+  return getattr(computation, _DATASET_FN_ATTRIBUTE, None)
 
 
 def client_dataset_computation(
@@ -145,13 +177,15 @@ def client_dataset_computation(
   def by_id(id, seed):  # pylint: disable=redefined-builtin
     return dataset_fn(id, seed)
 
-  return tff.tensorflow.computation(by_id, CLIENT_DATASET_ARGS)
+  return _with_dataset_fn(
+      tff.tensorflow.computation(by_id, CLIENT_DATASET_ARGS), dataset_fn)
 
 
 def server_dataset_computation(
     dataset_fn: Callable[[tf.Tensor], tf.data.Dataset]) -> tff.Computation:
   """`seed -> dataset` of one round's central batches, as a TFF computation."""
-  return tff.tensorflow.computation(dataset_fn, np.int64)
+  return _with_dataset_fn(tff.tensorflow.computation(dataset_fn, np.int64),
+                          dataset_fn)
 
 
 def ordered(**kwargs) -> collections.OrderedDict:

@@ -60,6 +60,10 @@ class ClientArrays:
     The arrays become graph constants: keep the columns compact (ids rather
     than features looked up later).
     """
+    return tf.data.Dataset.from_tensor_slices(self.graph_columns(client_id))
+
+  def graph_columns(self, client_id: tf.Tensor) -> dict[str, tf.Tensor]:
+    """One client's column slices as tensors, inside a TF graph."""
     key = tf.strings.to_number(client_id, tf.int64)
     starts = tf.constant(self._starts, tf.int64)
     ends = tf.constant(self._ends, tf.int64)
@@ -67,9 +71,8 @@ class ClientArrays:
     safe_key = tf.where(in_range, key, 0)
     start = tf.where(in_range, tf.gather(starts, safe_key), 0)
     end = tf.where(in_range, tf.gather(ends, safe_key), 0)
-    columns = {name: tf.constant(values)[start:end]
-               for name, values in self._columns.items()}
-    return tf.data.Dataset.from_tensor_slices(columns)
+    return {name: tf.constant(values)[start:end]
+            for name, values in self._columns.items()}
 
 
 def build_task(name: str, config: base.DataConfig, train: ClientArrays,

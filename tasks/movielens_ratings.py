@@ -22,9 +22,10 @@ import tensorflow as tf
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import client_arrays
+from tasks import movielens_files
 from tasks import residual
 
-RATINGS_FILE = 'u.data'
+RATINGS_FILE = movielens_files.ML_100K_RATINGS
 MOVIES_FILE = 'u.item'
 NUM_GENRES = 19
 TEST_FRACTION = 0.2
@@ -45,17 +46,8 @@ def _require_file(movielens_dir: str, name: str) -> str:
 
 def load_ratings(movielens_dir: str) -> dict[str, np.ndarray]:
   """u.data -> columns user, movie, rating, timestamp."""
-  path = _require_file(movielens_dir, RATINGS_FILE)
-  try:
-    table = np.loadtxt(path, dtype=np.int64, delimiter='\t', ndmin=2)
-  except ValueError as e:
-    raise UsageError(f'{path} is not in the u.data format (user<TAB>item'
-                     f'<TAB>rating<TAB>timestamp): {e}') from e
-  if table.shape[1] != 4 or not table.size:
-    raise UsageError(f'{path} must have 4 tab-separated columns and at least '
-                     'one rating')
-  return {'user': table[:, 0], 'movie': table[:, 1],
-          'rating': table[:, 2].astype(np.float32), 'timestamp': table[:, 3]}
+  return movielens_files.read_ratings(_require_file(movielens_dir,
+                                                    RATINGS_FILE))
 
 
 def load_genres(movielens_dir: str) -> np.ndarray:

@@ -9,7 +9,10 @@ from tasks import cifar
 from tasks import digits
 from tasks import emnist
 from tasks import fedres_synthetic
+from tasks import movielens
 from tasks import movielens_ratings
+from tasks import stackoverflow_char
+from tasks import stackoverflow_word
 
 _BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
     'celeba_smile': celeba.build_task,
@@ -19,7 +22,10 @@ _BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
     'emnist': emnist.build_task,
     'fedres_toy': fedres_synthetic.build_toy_task,
     'fedres_logistic': fedres_synthetic.build_logistic_task,
+    'movielens': movielens.build_task,
     'movielens_ratings': movielens_ratings.build_task,
+    'stackoverflow_char': stackoverflow_char.build_task,
+    'stackoverflow_word': stackoverflow_word.build_task,
 }
 NAMES = tuple(_BUILDERS)
 

@@ -2,6 +2,7 @@
 
 import csv
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -206,4 +207,28 @@ def test_no_worker_survives_an_exception(tmp_path):
   assert result.returncode != 0
   assert 'crash after the worker started' in result.stderr
   assert 'Exception ignored' not in result.stderr
+  assert not orphan_workers()
+
+
+def test_native_runtime_run_matches_tff_run(runs):
+  # The same command on --runtime=native: the same rounds (SPEC 4.7), and
+  # evaluate rebuilds the run (runtime from hparams.json) from a checkpoint.
+  root, after_three = runs
+  native = run_binary('binaries.train', *TRAIN_FLAGS, '--total_rounds=3',
+                      '--runtime=native', '--experiment_name=native',
+                      f'--root_output_dir={root}')
+  assert native.returncode == 0, native.stderr[-3000:]
+  with open(os.path.join(root, 'native', 'hparams.json')) as f:
+    assert json.load(f)['runtime'] == 'native'
+  tff_rows = list(csv.DictReader(after_three.splitlines()))
+  native_rows = read_rows(os.path.join(root, 'native', 'metrics.csv'))
+  for tff_row, native_row in zip(tff_rows, native_rows, strict=True):
+    for column in ('train/loss', 'train/num_examples', 'eval/auc'):
+      if tff_row[column]:
+        np.testing.assert_allclose(float(native_row[column]),
+                                   float(tff_row[column]), rtol=1e-5)
+  evaluated = run_binary('binaries.evaluate', '--experiment_name=native',
+                         f'--root_output_dir={root}')
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  assert '"eval/auc"' in evaluated.stdout
   assert not orphan_workers()

@@ -2,12 +2,14 @@
 adapted to the common process contract (tff_algos.contract)."""
 
 import collections
-from typing import Callable
+from typing import Callable, Optional
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from tff_algos import baselines_native
 from tff_algos import communication
 from tff_algos import contract
 from tff_algos import optimizers
@@ -36,12 +38,27 @@ def communication_bytes(state_type: tff.Type,
   return down, up
 
 
+def get_model_weights(state) -> tff.learning.models.ModelWeights:
+  # In Python rather than the LearningProcess's TFF computation, so the
+  # native runtime never starts TFF's executor.
+  return state.global_model_weights
+
+
+def set_model_weights(state, weights: tff.learning.models.ModelWeights):
+  return state._replace(global_model_weights=tff.learning.models.ModelWeights(
+      trainable=[np.asarray(w) for w in weights.trainable],
+      non_trainable=[np.asarray(w) for w in weights.non_trainable]))
+
+
 def adapt_learning_process(name: str,
                            learning_process: tff.learning.templates.LearningProcess,
                            flag_names: tuple[str, ...],
-                           model_fn: Callable) -> contract.FederatedAlgorithm:
+                           model_fn: Callable,
+                           config: Optional[AlgorithmConfig] = None
+                           ) -> contract.FederatedAlgorithm:
   """Wraps a LearningProcess: no client state, `train/*` and
-  `communication/*` metrics."""
+  `communication/*` metrics. With `config` (and `name` one of
+  `baselines_native.KINDS`) it also has the native runtime's process."""
   state_type = learning_process.initialize.type_signature.result
   data_type = learning_process.next.type_signature.parameter[1]
   bytes_down, bytes_up = communication_bytes(state_type, model_fn)
@@ -60,13 +77,25 @@ def adapt_learning_process(name: str,
     return (output.state, tff.federated_map(no_client_state, client_data),
             metrics)
 
+  native_process_fn = None
+  if config is not None:
+
+    def native_process_fn():
+      optimizers_by_role = _client_and_server_optimizers(config)
+      return baselines_native.LearningProcessRounds(
+          name, model_fn, optimizers_by_role['client_optimizer_fn'],
+          optimizers_by_role['server_optimizer_fn'],
+          optimizers_by_role['client_weighting'], config.proximal_strength,
+          communication.metrics(bytes_down, bytes_up))
+
   return contract.FederatedAlgorithm(
       name=name,
       process=tff.templates.IterativeProcess(learning_process.initialize,
                                              next_fn),
-      get_model_weights=learning_process.get_model_weights,
-      set_model_weights=learning_process.set_model_weights,
-      flag_names=flag_names)
+      get_model_weights=get_model_weights,
+      set_model_weights=set_model_weights,
+      flag_names=flag_names,
+      native_process_fn=native_process_fn)
 
 
 _CLIENT_FLAGS = ('client_optimizer', 'client_learning_rate',
@@ -97,7 +126,7 @@ def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
   process = tff.learning.algorithms.build_weighted_fed_avg(
       model_fn, **_client_and_server_optimizers(config))
   return adapt_learning_process('fedavg', process, _CLIENT_FLAGS + _SERVER_FLAGS,
-                                model_fn)
+                                model_fn, config)
 
 
 def build_fedprox(model_fn: Callable, config: AlgorithmConfig):
@@ -106,7 +135,8 @@ def build_fedprox(model_fn: Callable, config: AlgorithmConfig):
       **_client_and_server_optimizers(config))
   return adapt_learning_process(
       'fedprox', process,
-      _CLIENT_FLAGS + _SERVER_FLAGS + ('proximal_strength',), model_fn)
+      _CLIENT_FLAGS + _SERVER_FLAGS + ('proximal_strength',), model_fn,
+      config)
 
 
 def build_fedsgd(model_fn: Callable, config: AlgorithmConfig):
@@ -115,4 +145,5 @@ def build_fedsgd(model_fn: Callable, config: AlgorithmConfig):
       server_optimizer_fn=optimizers.build(
           config.server_optimizer, config.server_learning_rate,
           'server_optimizer'))
-  return adapt_learning_process('fedsgd', process, _SERVER_FLAGS, model_fn)
+  return adapt_learning_process('fedsgd', process, _SERVER_FLAGS, model_fn,
+                                config)

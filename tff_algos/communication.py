@@ -5,11 +5,18 @@ server broadcasts) and uploads (what the server aggregates from it), as
 `communication/bytes_down_per_client` and `communication/bytes_up_per_client`.
 The sizes come from the TFF types of the broadcast and uploaded values, so a
 change to what an algorithm sends changes its accounting with it.
+
+Tasks whose clients need only some rows of an embedding table (movielens) also
+model per-client costs analytically (`Task.client_cost_fn`);
+`add_client_costs` turns them into `train/client_*` metrics: FLOPs, touched
+rows, and the floats a sparse-row implementation would send, derived from the
+dense accounting above (docs/movielens.md).
 """
 
 import collections
 
 import numpy as np
+import tensorflow as tf
 import tensorflow_federated as tff
 
 
@@ -30,12 +37,94 @@ def type_bytes(value_type: tff.Type) -> int:
   raise ValueError(f'cannot size a value of type {value_type}')
 
 
+def metrics(bytes_down: int, bytes_up: int) -> collections.OrderedDict:
+  """The round's communication metrics (the native runtime's value)."""
+  return collections.OrderedDict(
+      bytes_down_per_client=np.int64(bytes_down),
+      bytes_up_per_client=np.int64(bytes_up))
+
+
 def metrics_at_server(bytes_down: int, bytes_up: int):
   """The round's communication metrics, placed at the server.
 
   Call inside a `tff.federated_computation`.
   """
-  return tff.federated_value(
-      collections.OrderedDict(
-          bytes_down_per_client=np.int64(bytes_down),
-          bytes_up_per_client=np.int64(bytes_up)), tff.SERVER)
+  return tff.federated_value(metrics(bytes_down, bytes_up), tff.SERVER)
+
+
+# --- Analytic per-client costs of tasks with sparse embedding rows -----------
+#
+# A task can model what a client of a sparse-row implementation would send and
+# compute (`Task.client_cost_fn`, e.g. movielens): per client and round it
+# gives these fields, computed from the batches the client trains on.
+CLIENT_COST_FIELDS = (
+    'flops',              # FLOPs of the client's steps in the round
+    'touched_rows',       # embedding rows its batches touch (n_i)
+    'model_floats',       # floats of ONE copy of the model as the client
+                          # needs it (touched rows + the other weights)
+    'full_model_floats',  # floats of one dense copy of the model
+)
+
+
+def with_client_costs(metrics, costs):
+  """TF: metrics + cohort-mean costs -> metrics with train/client_* added.
+
+  The dense byte counts say how many whole model-sized values an algorithm
+  sends each way (FedAvg and PT: the model down and its delta up; 1-w and 2-w
+  GT also the augmenting gradient down); the rest of a payload (metric sums,
+  client weight, optimizer hyperparameters) is far smaller than a model.
+  Each whole copy is then counted at the size the client needs: the rows its
+  data touches (papers/002 Table 5: 2*n*d for PT, 3*n*d for GT) or, if the
+  client loss needs the full table, all of it (2*N*d for the baseline).
+  """
+  costs = dict(costs)
+  added = collections.OrderedDict(
+      client_flops=costs['flops'], client_touched_rows=costs['touched_rows'])
+  communication = metrics.get('communication')
+  if communication is not None:
+    full_floats = costs['full_model_floats']
+    total = 0.0
+    for direction in ('down', 'up'):
+      dense_floats = tf.cast(
+          communication[f'bytes_{direction}_per_client'], tf.float32) / 4.0
+      copies = tf.round(dense_floats / full_floats)
+      floats = copies * costs['model_floats'] + (dense_floats -
+                                                 copies * full_floats)
+      added[f'client_floats_{direction}'] = floats
+      total += floats
+    added['client_comm_floats'] = total
+  result = collections.OrderedDict(metrics)
+  train = collections.OrderedDict(result.get('train', ()))
+  train.update(added)
+  result['train'] = train
+  return result
+
+
+def add_client_costs(metrics, client_costs):
+  """Round metrics@SERVER plus the analytic costs of each client@CLIENTS.
+
+  Call inside a `tff.federated_computation`; the costs are averaged over the
+  cohort (per client, unweighted).
+  """
+  mean_costs = tff.federated_mean(client_costs)
+  metrics_type = metrics.type_signature.member
+  costs_type = mean_costs.type_signature.member
+
+  @tff.tensorflow.computation(metrics_type, costs_type)
+  def merge(metrics, costs):
+    return with_client_costs(_as_dicts(metrics), costs)
+
+  return tff.federated_map(merge, tff.federated_zip((metrics, mean_costs)))
+
+
+def _as_dicts(structure):
+  """A TFF struct argument (nested) as OrderedDicts of tensors."""
+  if isinstance(structure, (tf.Tensor, tf.Variable)) or not hasattr(
+      structure, 'items') and not isinstance(structure, tff.structure.Struct):
+    return structure
+  if isinstance(structure, tff.structure.Struct):
+    return collections.OrderedDict(
+        (name, _as_dicts(value))
+        for name, value in tff.structure.iter_elements(structure))
+  return collections.OrderedDict(
+      (name, _as_dicts(value)) for name, value in structure.items())

@@ -21,7 +21,8 @@ writing the global model.
 `compose_by_id` turns that into what the driver runs: clients are passed by
 id (plus a per-round shuffle seed and their stored state) and every dataset is
 built inside the TFF computation (SPEC 4.4), so no dataset is serialized from
-Python each round.
+Python each round. `tff_algos.native.compose_by_id` gives the same interface
+for the in-process runtime (SPEC 4.7).
 """
 
 import collections
@@ -32,6 +33,7 @@ import numpy as np
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from tff_algos import communication
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -68,6 +70,9 @@ class FederatedAlgorithm:
   flag_names: tuple[str, ...] = ()
   # Set when client states hold personal models (needs client state).
   personalization: Optional[Personalization] = None
+  # Builds the in-process equivalent of `process` for --runtime=native
+  # (`tff_algos.native.NativeRounds`); None if the algorithm has none.
+  native_process_fn: Optional[Callable[[], Any]] = None
 
   @property
   def has_client_state(self) -> bool:
@@ -78,6 +83,7 @@ def compose_by_id(
     algorithm: FederatedAlgorithm,
     client_dataset_computation: tff.Computation,
     server_dataset_computation: Optional[tff.Computation] = None,
+    client_cost_fn: Optional[Callable[[Any], Mapping[str, Any]]] = None,
 ) -> tff.templates.IterativeProcess:
   """Returns the process the driver runs.
 
@@ -89,6 +95,9 @@ def compose_by_id(
     client_dataset_computation: `<id: str, seed: int64> -> dataset`.
     server_dataset_computation: `int64 seed -> dataset` of central batches;
       required when the algorithm uses server data.
+    client_cost_fn: optional `dataset -> analytic costs` of a client's round
+      (`Task.client_cost_fn`); their cohort means are added to the metrics
+      as `train/client_*` (`communication.add_client_costs`).
   """
   inner = algorithm.process
   state_type = inner.initialize.type_signature.result
@@ -102,18 +111,33 @@ def compose_by_id(
         f'--algorithm={algorithm.name} needs central (server) data or a '
         'data-free central loss; the task, with these flags, has neither')
 
+  cost_computation = None
+  if client_cost_fn is not None:
+    cost_computation = tff.tensorflow.computation(
+        client_cost_fn, client_dataset_computation.type_signature.result)
+
   @tff.federated_computation(state_type, client_input_type,
                              tff.FederatedType(np.int64, tff.SERVER))
   def next_fn(server_state, client_inputs, server_seed):
     client_id_and_seed = tff.federated_zip(
         collections.OrderedDict(id=client_inputs.id, seed=client_inputs.seed))
-    data = tff.federated_map(client_dataset_computation, client_id_and_seed)
+    datasets = tff.federated_map(client_dataset_computation,
+                                 client_id_and_seed)
+    data = datasets
     if algorithm.has_client_state:
       data = tff.federated_zip(
           collections.OrderedDict(data=data, state=client_inputs.state))
     if algorithm.uses_server_data:
       server_data = tff.federated_map(server_dataset_computation, server_seed)
-      return inner.next(server_state, data, server_data)
-    return inner.next(server_state, data)
+      result = inner.next(server_state, data, server_data)
+    else:
+      result = inner.next(server_state, data)
+    if cost_computation is None:
+      return result
+    # A dataset value is a seeded pipeline: this second pass over it sees the
+    # batches the client trained on.
+    metrics = communication.add_client_costs(
+        result[2], tff.federated_map(cost_computation, datasets))
+    return result[0], result[1], metrics
 
   return tff.templates.IterativeProcess(inner.initialize, next_fn)

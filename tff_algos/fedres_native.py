@@ -5,8 +5,8 @@ eagerly: its batch steps are compiled, its loops are Python) client by client,
 then aggregates as the process does: uniform mean of the deltas, sum of the
 control deltas over N (`fedres_tff.server_update`). Parity with the TFF
 process is tested. On tiny problems TFF's per-round overhead dominates, so
-scripted experiments and long convergence tests use this; the driver runs the
-TFF process.
+scripted experiments and long convergence tests use this, and so does the
+driver under `--runtime=native` (`tff_algos.native`).
 """
 
 import collections
@@ -58,12 +58,13 @@ class InProcessRounds:
         self.hparams, self.initial_local, self._initial_global))
 
   def next(self, server_state, datasets: Sequence[tf.data.Dataset],
-           client_states: Sequence[Any]):
+           client_states: Sequence[Any], server_data=None):
     """One round over the given (sampled) clients, in order.
 
     Returns (new server state, new client states, metrics) like the TFF
-    process's `next`.
+    process's `next` (a `tff_algos.native.NativeRounds`).
     """
+    del server_data  # FedRes uses no server data.
     hparams = self.hparams
     options = _without_static_optimizations()
     datasets = [dataset.with_options(options) for dataset in datasets]

@@ -229,6 +229,11 @@ def _build(variant: str, task: base.Task,
         non_trainable=list(weights.non_trainable))
     return new_state
 
+  def native_process_fn():
+    # fedres_native builds on this module's server functions.
+    from tff_algos import fedres_native  # pylint: disable=g-import-not-at-top
+    return fedres_native.InProcessRounds(variant, task, config)
+
   return contract.FederatedAlgorithm(
       name=f'fedres_{variant}',
       process=tff.templates.IterativeProcess(initialize_fn, next_fn),
@@ -236,7 +241,8 @@ def _build(variant: str, task: base.Task,
       set_model_weights=set_model_weights,
       client_state_fn=client_state_fn,
       flag_names=_FLAGS[variant],
-      personalization=_personalization(task, config, initial_local))
+      personalization=_personalization(task, config, initial_local),
+      native_process_fn=native_process_fn)
 
 
 def _local_weights_of(client_state) -> list[Any]:

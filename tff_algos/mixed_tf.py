@@ -15,6 +15,7 @@ Conventions, as in the paper:
 """
 
 import collections
+import dataclasses
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
@@ -52,10 +53,17 @@ def _assign(variables, values) -> None:
 
 def _weighted_gradient(tape: tf.GradientTape, loss: tf.Tensor,
                        variables: list[tf.Variable]) -> tuple:
-  """d loss / d variables; variables the loss does not touch get zeros."""
+  """d loss / d variables; variables the loss does not touch get zeros.
+
+  Dense: an embedding's gradient comes as tf.IndexedSlices, but gradients are
+  added to augmenting gradients, kept across steps and returned as state.
+  """
   gradients = tape.gradient(loss, variables)
-  return tuple(tf.zeros_like(v) if g is None else g
-               for g, v in zip(gradients, variables))
+  return tuple(
+      tf.zeros_like(v) if g is None else
+      # A dense IndexedSlices has an unknown first dimension.
+      tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
+      for g, v in zip(gradients, variables))
 
 
 def _optimizer_step(optimizer: tff.learning.optimizers.Optimizer, state,
@@ -291,3 +299,136 @@ def mixing_diagnostics(federated_gradient: Weights, central_gradient: Weights,
   return collections.OrderedDict(
       gtilde_squared=weighted - total,
       btilde_squared=tf.math.divide_no_nan(weighted, total))
+
+
+# ---------------------------------------------------------------------------
+# One round's pieces, as both runtimes run them (`mixed_tff` places them in
+# TFF computations, `mixed_native` calls them in-process).
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSettings:
+  """What distinguishes PT, 1-w GT and 2-w GT, and their hyperparameters."""
+  has_central_model: bool  # PT, 2-w GT.
+  transfers_gradients: bool  # 1-w GT, 2-w GT.
+  keeps_augmenting_gradients: bool  # 2-w GT.
+  data_free: bool  # The central loss needs no server data.
+  central_steps: Optional[int]
+  federated_weight: float
+  central_weight: float
+  client_learning_rate: float
+  central_learning_rate: float
+  diagnostics: bool
+
+
+def central_work(settings: RoundSettings,
+                 model: tff.learning.models.VariableModel,
+                 optimizer: Optional[tff.learning.optimizers.Optimizer],
+                 central_loss: Any, model_weights: ModelWeights,
+                 gtilde_f: Optional[Weights],
+                 central_batches: Optional[tf.data.Dataset]):
+  """The round's central work at x: K CentralOpt steps (PT, 2-w GT, from
+  `central_update`) or one central gradient (1-w GT, `central_gradient`)."""
+  if settings.data_free:
+    elements = central_loss.elements(
+        settings.central_steps if settings.has_central_model else 1)
+  elif settings.has_central_model:
+    elements = central_batches.take(settings.central_steps)
+  else:
+    elements = central_batches
+  if not settings.has_central_model:
+    return central_gradient(model, model_weights, elements, central_loss,
+                            settings.central_weight)
+  return central_update(model, optimizer, model_weights, elements,
+                        central_loss,
+                        gtilde_f if settings.keeps_augmenting_gradients
+                        else None, settings.central_weight)
+
+
+def client_work(settings: RoundSettings,
+                model: tff.learning.models.VariableModel,
+                optimizer: tff.learning.optimizers.Optimizer, payload,
+                dataset: tf.data.Dataset):
+  """One client's round: `client_update` from the broadcast payload.
+
+  Returns <upload=<delta, weight, metrics[, num_steps]>[, first_gradient]>:
+  what the client uploads (K_i only for 2-w GT's eq. 10) and, with
+  diagnostics, g_i(x) (a simulation-only measurement, not uploaded).
+  """
+  augmenting_gradient = (payload['augmenting_gradient']
+                         if settings.transfers_gradients else None)
+  output = client_update(
+      model, optimizer, payload['model_weights'], dataset,
+      augmenting_gradient, settings.federated_weight,
+      record_first_gradient=settings.diagnostics)
+  uploaded = ['delta', 'weight', 'metrics']
+  if settings.keeps_augmenting_gradients:
+    uploaded.append('num_steps')
+  result = collections.OrderedDict(
+      upload=collections.OrderedDict((k, output[k]) for k in uploaded))
+  if settings.diagnostics:
+    result['first_gradient'] = output['first_gradient']
+  return result
+
+
+def server_update(settings: RoundSettings,
+                  server_optimizer: tff.learning.optimizers.Optimizer,
+                  merge_optimizer: Optional[tff.learning.optimizers.Optimizer],
+                  state, central, client_delta_mean: Weights,
+                  client_weight_sum, client_delta_sum: Optional[Weights] = None,
+                  client_steps_sum=None):
+  """The server's step: x_f = ServerOpt(x, -Delta); PT and 2-w GT merge
+  x <- MergeOpt(x, -(Delta_c + Delta_f)); 2-w GT updates gtilde_c, gtilde_f.
+
+  `state` is the server state (see `mixed_tff`); the result has its keys in
+  its order.
+  """
+  x = list(state['model_weights'].trainable)
+  delta = mean_client_delta(list(client_delta_mean), client_weight_sum)
+  new_state = collections.OrderedDict()
+  optimizer_state, x_f = apply_delta(server_optimizer,
+                                     state['server_optimizer'], x, delta)
+  new_state['server_optimizer'] = optimizer_state
+  if settings.has_central_model:
+    delta_f = subtract(x_f, x)
+    merged = add(list(central['delta']), delta_f)
+    merge_state, new_x = apply_delta(merge_optimizer,
+                                     state['merge_optimizer'], x, merged)
+    new_state['merge_optimizer'] = merge_state
+  else:
+    new_x = x_f
+  if settings.keeps_augmenting_gradients:
+    gtilde_c = list(state['gtilde_c'])
+    gtilde_f = list(state['gtilde_f'])
+    new_state['gtilde_c'] = updated_gtilde_c(
+        list(central['delta']), settings.central_learning_rate,
+        central['num_steps'], gtilde_f, gtilde_c)
+    new_state['gtilde_f'] = updated_gtilde_f(
+        list(client_delta_sum), settings.client_learning_rate,
+        client_steps_sum, gtilde_c, gtilde_f)
+  new_state['model_weights'] = ModelWeights(
+      new_x, list(state['model_weights'].non_trainable))
+  return collections.OrderedDict((key, new_state[key]) for key in state)
+
+
+def initial_server_state(settings: RoundSettings,
+                         model: tff.learning.models.VariableModel,
+                         server_optimizer: tff.learning.optimizers.Optimizer,
+                         merge_optimizer: Optional[
+                             tff.learning.optimizers.Optimizer]):
+  """<model_weights=x, server_optimizer[, merge_optimizer][, gtilde_c,
+  gtilde_f]> (augmenting gradients start at 0)."""
+  weights = ModelWeights.from_model(model)
+  weights = tf.nest.map_structure(lambda v: v.read_value(), weights)
+  trainable_specs = tuple(tf.TensorSpec(w.shape, w.dtype)
+                          for w in weights.trainable)
+  state = collections.OrderedDict(
+      model_weights=ModelWeights(list(weights.trainable),
+                                 list(weights.non_trainable)),
+      server_optimizer=server_optimizer.initialize(trainable_specs))
+  if settings.has_central_model:
+    state['merge_optimizer'] = merge_optimizer.initialize(trainable_specs)
+  if settings.keeps_augmenting_gradients:
+    state['gtilde_c'] = zeros_like(list(weights.trainable))
+    state['gtilde_f'] = zeros_like(list(weights.trainable))
+  return state

@@ -34,6 +34,7 @@ import tensorflow_federated as tff
 from pipeline.errors import UsageError
 from tff_algos import communication
 from tff_algos import contract
+from tff_algos import mixed_native
 from tff_algos import mixed_tf
 from tff_algos import optimizers
 from tff_algos.config import AlgorithmConfig
@@ -123,6 +124,14 @@ def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableMo
     central_loss = mixed_tf.DataFreeCentralLoss(config.central_loss_fn)
   else:
     central_loss = mixed_tf.DataCentralLoss()
+  settings = mixed_tf.RoundSettings(
+      has_central_model=has_central_model,
+      transfers_gradients=transfers_gradients,
+      keeps_augmenting_gradients=keeps_augmenting_gradients,
+      data_free=data_free, central_steps=config.central_steps,
+      federated_weight=w_f, central_weight=w_c,
+      client_learning_rate=client_lr, central_learning_rate=central_lr,
+      diagnostics=diagnostics)
 
   with tf.Graph().as_default():
     model = model_fn()
@@ -131,25 +140,13 @@ def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableMo
   data_type = tff.SequenceType(batch_type)
   weights_type = tff.learning.models.weights_type_from_model(model)
   trainable_type = weights_type.trainable
-  trainable_specs = tuple(
-      tf.TensorSpec(t.shape, t.dtype) for t in trainable_type.children())
 
   # --- Initialization -------------------------------------------------------
 
   @tff.tensorflow.computation
   def initial_state():
-    weights = tff.learning.models.ModelWeights.from_model(model_fn())
-    weights = tf.nest.map_structure(lambda v: v.read_value(), weights)
-    state = collections.OrderedDict(
-        model_weights=tff.learning.models.ModelWeights(
-            list(weights.trainable), list(weights.non_trainable)),
-        server_optimizer=server_optimizer.initialize(trainable_specs))
-    if has_central_model:
-      state['merge_optimizer'] = merge_optimizer.initialize(trainable_specs)
-    if keeps_augmenting_gradients:
-      state['gtilde_c'] = mixed_tf.zeros_like(list(weights.trainable))
-      state['gtilde_f'] = mixed_tf.zeros_like(list(weights.trainable))
-    return state
+    return mixed_tf.initial_server_state(settings, model_fn(),
+                                         server_optimizer, merge_optimizer)
 
   @tff.federated_computation
   def initialize():
@@ -169,20 +166,10 @@ def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableMo
 
   @tff.tensorflow.computation(central_input_type)
   def central_work(inputs):
-    if data_free:
-      elements = central_loss.elements(
-          config.central_steps if has_central_model else 1)
-    elif has_central_model:
-      elements = inputs['central_batches'].take(config.central_steps)
-    else:
-      elements = inputs['central_batches']
-    if not has_central_model:
-      return mixed_tf.central_gradient(model_fn(), inputs['model_weights'],
-                                       elements, central_loss, w_c)
-    gtilde_f = inputs['gtilde_f'] if keeps_augmenting_gradients else None
-    return mixed_tf.central_update(model_fn(), central_optimizer,
-                                   inputs['model_weights'], elements,
-                                   central_loss, gtilde_f, w_c)
+    return mixed_tf.central_work(
+        settings, model_fn(), central_optimizer, central_loss,
+        inputs['model_weights'], inputs.get('gtilde_f'),
+        inputs.get('central_batches'))
 
   # --- Client work ----------------------------------------------------------
 
@@ -194,20 +181,13 @@ def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableMo
 
   @tff.tensorflow.computation(payload_type, data_type)
   def client_work(payload, dataset):
-    augmenting_gradient = (payload['augmenting_gradient']
-                           if transfers_gradients else None)
-    output = mixed_tf.client_update(
-        model_fn(), client_optimizer, payload['model_weights'], dataset,
-        augmenting_gradient, w_f, record_first_gradient=diagnostics)
-    uploaded = ['delta', 'weight', 'metrics']
-    if keeps_augmenting_gradients:
-      uploaded.append('num_steps')  # K_i, for eq. 10.
-    result = collections.OrderedDict(
-        upload=collections.OrderedDict((k, output[k]) for k in uploaded))
-    if diagnostics:
-      # Simulation-only measurement: not part of the algorithm's upload.
-      result['first_gradient'] = output['first_gradient']
-    return result
+    return mixed_tf.client_work(settings, model_fn(), client_optimizer,
+                                payload, dataset)
+
+  # (down, up) per client: the broadcast payload, and the upload.
+  communication_bytes = (
+      communication.type_bytes(payload_type),
+      communication.type_bytes(client_work.type_signature.result.upload))
 
   @tff.tensorflow.computation(data_type)
   def no_client_state(dataset):
@@ -228,36 +208,13 @@ def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableMo
   @tff.tensorflow.computation(
       tff.StructWithPythonType(server_input_fields, collections.OrderedDict))
   def server_update(inputs):
-    state, central = inputs['state'], inputs['central']
-    x = list(state['model_weights'].trainable)
-    delta = mixed_tf.mean_client_delta(list(inputs['client_delta_mean']),
-                                       inputs['client_weight_sum'])
-    new_state = collections.OrderedDict()
-    server_state, x_f = mixed_tf.apply_delta(
-        server_optimizer, state['server_optimizer'], x, delta)
-    new_state['server_optimizer'] = server_state
-    if has_central_model:
-      delta_f = mixed_tf.subtract(x_f, x)
-      merged = mixed_tf.add(list(central['delta']), delta_f)
-      merge_state, new_x = mixed_tf.apply_delta(
-          merge_optimizer, state['merge_optimizer'], x, merged)
-      new_state['merge_optimizer'] = merge_state
-    else:
-      new_x = x_f
-    if keeps_augmenting_gradients:
-      gtilde_c = list(state['gtilde_c'])
-      gtilde_f = list(state['gtilde_f'])
-      new_state['gtilde_c'] = mixed_tf.updated_gtilde_c(
-          list(central['delta']), central_lr, central['num_steps'], gtilde_f,
-          gtilde_c)
-      new_state['gtilde_f'] = mixed_tf.updated_gtilde_f(
-          list(inputs['client_delta_sum']), client_lr,
-          inputs['client_steps_sum'], gtilde_c, gtilde_f)
-    new_state['model_weights'] = tff.learning.models.ModelWeights(
-        new_x, list(state['model_weights'].non_trainable))
-    # Same field order as the initial state.
-    return collections.OrderedDict(
-        (key, new_state[key]) for key in tff.structure.name_list(state_type))
+    state = collections.OrderedDict(
+        (key, inputs['state'][key])
+        for key in tff.structure.name_list(state_type))
+    return mixed_tf.server_update(
+        settings, server_optimizer, merge_optimizer, state, inputs['central'],
+        inputs['client_delta_mean'], inputs['client_weight_sum'],
+        inputs.get('client_delta_sum'), inputs.get('client_steps_sum'))
 
   @tff.tensorflow.computation(trainable_type, trainable_type)
   def diagnostics_fn(federated_gradient, central_gradient):
@@ -311,8 +268,7 @@ def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableMo
           diagnostics_fn,
           tff.federated_zip((federated_gradient, central_gradient)))
     metrics['communication'] = communication.metrics_at_server(
-        communication.type_bytes(broadcast.type_signature),
-        communication.type_bytes(upload.type_signature))
+        *communication_bytes)
     return (new_state, tff.federated_map(no_client_state, client_data),
             tff.federated_zip(metrics))
 
@@ -330,13 +286,20 @@ def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableMo
     def next_fn(state, client_data, server_data):
       return _round(state, client_data, server_data)
 
+  def native_process_fn():
+    return mixed_native.MixedRounds(
+        name, settings, model_fn, client_optimizer, server_optimizer,
+        central_optimizer, merge_optimizer, central_loss, metric_finalizers,
+        communication_bytes)
+
   return contract.FederatedAlgorithm(
       name=name,
       process=tff.templates.IterativeProcess(initialize, next_fn),
       get_model_weights=_get_model_weights,
       set_model_weights=_set_model_weights,
       uses_server_data=not data_free,
-      flag_names=FLAG_NAMES[name])
+      flag_names=FLAG_NAMES[name],
+      native_process_fn=native_process_fn)
 
 
 build_mixed_pt = functools.partial(build_mixed, PARALLEL_TRAINING)

@@ -224,7 +224,21 @@ def build_client_update(model: tff.learning.models.VariableModel,
 
 
 # ----------------------------------------------------------------------------
-# Server update.
+# Server state and update.
+
+
+def initial_server_state(model: tff.learning.models.VariableModel,
+                         server_optimizer: tff.learning.optimizers.Optimizer,
+                         cv_specs: Sequence[tf.TensorSpec]):
+  """<model=x (the model's weights), control_variate=c=0, optimizer_state>."""
+  weights = ModelWeights.from_model(model)
+  return collections.OrderedDict(
+      model=ModelWeights(
+          trainable=[tf.identity(v) for v in weights.trainable],
+          non_trainable=[tf.identity(v) for v in weights.non_trainable]),
+      control_variate=zeros_like_specs(cv_specs),
+      optimizer_state=server_optimizer.initialize(tuple(
+          tf.TensorSpec(v.shape, v.dtype) for v in weights.trainable)))
 
 
 def build_server_update(server_optimizer: tff.learning.optimizers.Optimizer,
@@ -272,3 +286,25 @@ def drift_diversity(sum_of_sq_norms: tf.Tensor, sum_of_deltas,
                     layer_of_variable: Sequence[int]) -> tf.Tensor:
   """xi per layer = sum_i ||m_i||^2 / ||sum_i m_i||^2, m_i = y_i - x."""
   return sum_of_sq_norms / layer_squared_norms(sum_of_deltas, layer_of_variable)
+
+
+def drift_diversity_metrics(sum_of_sq_norms: tf.Tensor, sum_of_deltas,
+                            layer_of_variable: Sequence[int]
+                            ) -> collections.OrderedDict:
+  """`drift_diversity` as metrics `layer_<k>`."""
+  xi = drift_diversity(sum_of_sq_norms, sum_of_deltas, layer_of_variable)
+  num_layers = max(layer_of_variable) + 1
+  return collections.OrderedDict(
+      (f'layer_{k}', xi[k]) for k in range(num_layers))
+
+
+def communication_metrics(num_clients: tf.Tensor, bytes_down: int,
+                          bytes_up: int,
+                          model_bytes: int) -> collections.OrderedDict:
+  """Bytes sent to and from the round's clients, and model copies each."""
+  clients = tf.cast(num_clients, tf.float64)
+  return collections.OrderedDict(
+      bytes_server_to_clients=clients * bytes_down,
+      bytes_clients_to_server=clients * bytes_up,
+      model_copies_per_client=tf.constant(
+          (bytes_down + bytes_up) / model_bytes, tf.float64))

@@ -26,6 +26,7 @@ import tensorflow_federated as tff
 from pipeline.errors import UsageError
 from tff_algos import contract
 from tff_algos import optimizers
+from tff_algos import scaffold_native
 from tff_algos import scaffold_tf
 from tff_algos.config import AlgorithmConfig
 from tff_algos.config import CLIENT_WEIGHTINGS
@@ -91,14 +92,8 @@ def build_control_variate_algorithm(
 
   @tff.tensorflow.computation
   def initial_server_state():
-    model = model_fn()
-    weights = ModelWeights.from_model(model)
-    return collections.OrderedDict(
-        model=ModelWeights(
-            trainable=[tf.identity(v) for v in weights.trainable],
-            non_trainable=[tf.identity(v) for v in weights.non_trainable]),
-        control_variate=scaffold_tf.zeros_like_specs(cv_specs),
-        optimizer_state=server_optimizer.initialize(tuple(trainable_specs)))
+    return scaffold_tf.initial_server_state(model_fn(), server_optimizer,
+                                            cv_specs)
 
   server_state_type = initial_server_state.type_signature.result
 
@@ -135,20 +130,14 @@ def build_control_variate_algorithm(
 
   @tff.tensorflow.computation(np.int32)
   def communication(num_clients):
-    clients = tf.cast(num_clients, tf.float64)
-    return collections.OrderedDict(
-        bytes_server_to_clients=clients * bytes_down,
-        bytes_clients_to_server=clients * bytes_up,
-        model_copies_per_client=tf.constant(
-            (bytes_down + bytes_up) / model_bytes, tf.float64))
+    return scaffold_tf.communication_metrics(num_clients, bytes_down,
+                                             bytes_up, model_bytes)
 
   @tff.tensorflow.computation(tff.TensorType(np.float32, [num_layers]),
                               weights_type.trainable)
   def drift_diversity(sum_of_sq_norms, sum_of_deltas):
-    xi = scaffold_tf.drift_diversity(sum_of_sq_norms, sum_of_deltas,
-                                     layer_of_variable)
-    return collections.OrderedDict(
-        (f'layer_{k}', xi[k]) for k in range(num_layers))
+    return scaffold_tf.drift_diversity_metrics(sum_of_sq_norms, sum_of_deltas,
+                                               layer_of_variable)
 
   client_inputs_type = tff.FederatedType(
       tff.StructType([
@@ -185,13 +174,20 @@ def build_control_variate_algorithm(
     return collections.OrderedDict(control_variate=[
         np.zeros(s.shape, s.dtype.as_numpy_dtype) for s in cv_specs])
 
+  def native_process_fn():
+    return scaffold_native.ControlVariateRounds(
+        model_fn, client_optimizer, server_optimizer, config, mask, cv_specs,
+        layer_of_variable, uniform, metric_finalizers,
+        communication_bytes=(bytes_down, bytes_up, model_bytes))
+
   return contract.FederatedAlgorithm(
       name=name,
       process=tff.templates.IterativeProcess(initialize, next_fn),
       get_model_weights=get_model_weights,
       set_model_weights=set_model_weights,
       client_state_fn=client_state_fn,
-      flag_names=flag_names)
+      flag_names=flag_names,
+      native_process_fn=native_process_fn)
 
 
 def get_model_weights(server_state) -> ModelWeights:

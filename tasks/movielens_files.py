@@ -1,0 +1,62 @@
+"""Reading MovieLens rating files (GroupLens formats), shared by the tasks.
+
+ML-1M `ratings.dat`: `UserID::MovieID::Rating::Timestamp` per line.
+ML-100K `u.data`: `user<TAB>item<TAB>rating<TAB>timestamp` per line.
+Both give integer user and movie ids (from 1) and Unix timestamps. Nothing is
+downloaded: the files must already be in the directory given by
+`--movielens_dir`.
+"""
+
+import os
+
+import numpy as np
+
+from pipeline.errors import UsageError
+
+ML_1M_RATINGS = 'ratings.dat'
+ML_100K_RATINGS = 'u.data'
+# File name -> (field separator, layout shown in errors).
+RATINGS_FORMATS = {
+    ML_1M_RATINGS: ('::', 'UserID::MovieID::Rating::Timestamp'),
+    ML_100K_RATINGS: ('\t', 'user<TAB>item<TAB>rating<TAB>timestamp'),
+}
+
+
+def read_ratings(path: str) -> dict[str, np.ndarray]:
+  """A ratings file -> columns user, movie, rating (float32), timestamp.
+
+  The format is chosen by the file name (`ratings.dat` or `u.data`).
+  """
+  name = os.path.basename(path)
+  separator, layout = RATINGS_FORMATS[name]
+  rows = []
+  with open(path, encoding='latin-1') as f:
+    for line_number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      fields = line.rstrip('\r\n').split(separator)
+      try:
+        if len(fields) != 4:
+          raise ValueError(f'{len(fields)} fields')
+        rows.append([int(field) for field in fields])
+      except ValueError as e:
+        raise UsageError(f'{path}:{line_number} is not in the {name} format '
+                         f'({layout}): {e}') from e
+  if not rows:
+    raise UsageError(f'{path} has no ratings ({name} format: {layout})')
+  table = np.array(rows, np.int64)
+  return {'user': table[:, 0], 'movie': table[:, 1],
+          'rating': table[:, 2].astype(np.float32), 'timestamp': table[:, 3]}
+
+
+def find_ratings(movielens_dir: str) -> str:
+  """The ratings file of `movielens_dir`: ML-1M's if present, else ML-100K's."""
+  if not os.path.isdir(movielens_dir):
+    raise UsageError(f'--movielens_dir={movielens_dir} does not exist')
+  for name in RATINGS_FORMATS:
+    path = os.path.join(movielens_dir, name)
+    if os.path.isfile(path):
+      return path
+  raise UsageError(f'--movielens_dir={movielens_dir} has neither '
+                   f'{ML_1M_RATINGS} (MovieLens 1M) nor {ML_100K_RATINGS} '
+                   '(MovieLens 100K)')

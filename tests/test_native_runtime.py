@@ -1,0 +1,308 @@
+"""The native runtime (SPEC 4.7) gives the TFF runtime's rounds.
+
+Both runtimes run the same by-id rounds (same client ids, shuffle seeds and
+central seed) from the same state on a tiny task whose clients differ in size
+and shuffle their data; after one and two rounds the server states, client
+states and metrics must agree.
+"""
+
+import collections
+import csv
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pipeline import driver
+from pipeline import export as export_lib
+from pipeline import tff_runtime
+from tasks import base
+import fedres_testing
+from tff_algos import native
+from tff_algos import registry as algorithm_registry
+from tff_algos.config import AlgorithmConfig
+
+NUM_CLIENTS = 6
+NUM_FEATURES = 3
+# Graph (TFF) and eager (native) execution of the same ops may round the
+# last bit differently (e.g. Adam's sqrt); weights are O(1).
+TOLERANCE = dict(rtol=1e-6, atol=1e-6)
+
+
+def _examples(seed, n):
+  x = tf.random.stateless_normal([n, NUM_FEATURES], seed)
+  logits = tf.reduce_sum(x * [1.0, -2.0, 0.5], axis=1, keepdims=True)
+  y = tf.cast(logits + 0.3 * tf.random.stateless_normal([n, 1], seed + 1) > 0,
+              tf.float32)
+  return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def _keras_model():
+  # Two layers, so FedPVR's last-layer mask is a proper subset.
+  return tf.keras.Sequential([
+      tf.keras.layers.InputLayer(input_shape=(NUM_FEATURES,)),
+      tf.keras.layers.Dense(4, activation='tanh'),
+      tf.keras.layers.Dense(1),
+  ])
+
+
+def tiny_task(client_steps=None) -> base.Task:
+  """Clients of 3..8 examples, batches of 2, shuffled by the round's seed."""
+  config = base.DataConfig(client_batch_size=2, client_steps=client_steps,
+                           shuffle_buffer=16)
+
+  def client_dataset(client_id, seed):
+    key = tf.strings.to_number(client_id, tf.int64)
+    examples = _examples(tf.stack([key, tf.constant(0, tf.int64)]), 8).take(
+        3 + key)
+    return base.client_batches(examples, config, seed)
+
+  def server_dataset(seed):
+    return _examples(tf.stack([seed, tf.constant(1, tf.int64)]),
+                     24).shuffle(24, seed=seed).repeat().batch(4).take(3)
+
+  return base.Task(
+      name='tiny_logistic',
+      train_client_ids=tuple(str(k) for k in range(NUM_CLIENTS)),
+      client_dataset_computation=base.client_dataset_computation(
+          client_dataset),
+      keras_model_fn=_keras_model,
+      loss_fn=lambda: tf.keras.losses.BinaryCrossentropy(from_logits=True),
+      metrics_fn=lambda: [tf.keras.metrics.BinaryAccuracy(threshold=0.0)],
+      batch_spec=(tf.TensorSpec([None, NUM_FEATURES], tf.float32),
+                  tf.TensorSpec([None, 1], tf.float32)),
+      eval_datasets_fn=lambda: {'': _examples(
+          tf.constant([9, 9], tf.int64), 20).batch(10)},
+      serving=base.ServingSpec(
+          'x', tf.TensorSpec([None, NUM_FEATURES], tf.float32),
+          lambda x: x, lambda y: {'logit': y}),
+      server_dataset_computation=base.server_dataset_computation(
+          server_dataset))
+
+
+def test_native_datasets_are_the_tff_computations_datasets(task):
+  # With a global seed set (as the driver sets it to initialize the model),
+  # an eagerly built `shuffle(seed=s)` would draw other batches than the
+  # same pipeline inside a TFF computation.
+  tf.random.set_seed(1)
+  client_dataset = native.graph_mode_dataset_fn(
+      task.client_dataset_fn, (tf.TensorSpec([], tf.string),
+                               tf.TensorSpec([], tf.int64)))
+  for client_id, seed in (('4', 7), ('4', 8), ('2', 7)):
+    from_tff = list(task.client_dataset_computation(client_id, seed))
+    from_native = list(client_dataset(tf.constant(client_id),
+                                      tf.constant(seed, tf.int64)))
+    assert_structures_close(from_native, from_tff)
+  assert not np.array_equal(
+      *[np.asarray(list(task.client_dataset_computation('4', s))[0][0])
+        for s in (7, 8)])
+
+
+CONFIGS = {
+    'fedavg': AlgorithmConfig(client_learning_rate=0.3,
+                              server_learning_rate=0.8),
+    'fedprox': AlgorithmConfig(client_learning_rate=0.3,
+                               proximal_strength=0.5,
+                               server_optimizer='adam',
+                               server_learning_rate=0.05),
+    'fedsgd': AlgorithmConfig(server_learning_rate=0.5),
+    'scaffold': AlgorithmConfig(client_learning_rate=0.3,
+                                server_learning_rate=0.9,
+                                num_train_clients=NUM_CLIENTS),
+    'fedpvr': AlgorithmConfig(client_learning_rate=0.3,
+                              client_optimizer='sgdm',
+                              num_train_clients=NUM_CLIENTS,
+                              drift_diversity=True),
+    'mixed_pt': AlgorithmConfig(client_learning_rate=0.3,
+                                central_learning_rate=0.2,
+                                central_steps=2),
+    'mixed_1wgt': AlgorithmConfig(client_learning_rate=0.3,
+                                  mixed_diagnostics=True),
+    'mixed_2wgt': AlgorithmConfig(client_learning_rate=0.3,
+                                  central_learning_rate=0.2,
+                                  merge_learning_rate=0.7, central_steps=2,
+                                  mixed_diagnostics=True),
+}
+
+
+@pytest.fixture(scope='module')
+def task():
+  return tiny_task(client_steps=2)
+
+
+def _round_inputs(task, round_num, clients_per_round, states=None):
+  plan = driver.plan_round(3, round_num, task.num_train_clients,
+                           clients_per_round)
+  ids = [task.train_client_ids[i] for i in plan.client_indices]
+  inputs = [collections.OrderedDict(id=cid, seed=seed)
+            for cid, seed in zip(ids, plan.client_seeds)]
+  if states is not None:
+    for client_input in inputs:
+      client_input['state'] = states.setdefault(client_input['id'],
+                                                states['__init__']())
+  return ids, inputs, plan.server_seed
+
+
+def assert_structures_close(actual, expected):
+  if expected is None:
+    assert actual is None
+    return
+  flat_actual = tf.nest.flatten(actual)
+  flat_expected = tf.nest.flatten(expected)
+  assert len(flat_actual) == len(flat_expected)
+  for a, e in zip(flat_actual, flat_expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), **TOLERANCE)
+
+
+def run_rounds(algorithm, task, runtime, num_rounds=2, clients_per_round=3):
+  """(server states, client states, metrics) after each round."""
+  process = driver.compose_process(algorithm, task, runtime)
+  state = algorithm.set_model_weights(
+      process.initialize(), driver.initial_model_weights(task, 0))
+  states = None
+  if algorithm.has_client_state:
+    states = {'__init__': algorithm.client_state_fn}
+  history = []
+  for round_num in range(1, num_rounds + 1):
+    ids, inputs, server_seed = _round_inputs(task, round_num,
+                                             clients_per_round, states)
+    state, outputs, metrics = process.next(state, inputs, server_seed)
+    if states is not None:
+      states.update(zip(ids, [o['state'] for o in outputs]))
+    client_states = None if states is None else {
+        k: v for k, v in states.items() if k != '__init__'}
+    history.append((state, client_states, metrics))
+  return history
+
+
+# Building and first running a TFF process costs ~30 s per algorithm here,
+# so the suite checks the three of the issue's acceptance; set
+# NATIVE_PARITY_ALL=1 to check every algorithm.
+ALWAYS_CHECKED = ('fedavg', 'scaffold', 'mixed_2wgt')
+CHECK_ALL = os.environ.get('NATIVE_PARITY_ALL') == '1'
+FEDRES_CONFIGS = {
+    'fedres_naive': AlgorithmConfig(client_learning_rate=0.1,
+                                    local_learning_rate=0.2),
+    'fedres_sgd': AlgorithmConfig(client_learning_rate=0.1,
+                                  local_learning_rate=0.2),
+    'fedres_avg': AlgorithmConfig(client_learning_rate=0.1,
+                                  local_learning_rate=0.2, fedres_option=2,
+                                  fedres_alpha=0.8),
+}
+
+
+# FedResSGD and FedResAvg pass twice over a client's shuffled dataset; the
+# second pass draws a different order under the two runtimes (the first pass,
+# and so FedResNaive, agrees), so their rounds differ. Not resolved yet.
+KNOWN_DIFFERENT = ('fedres_sgd', 'fedres_avg')
+
+
+def _parity_cases():
+  names = list(CONFIGS) + list(FEDRES_CONFIGS)
+  cases = []
+  for name in names:
+    marks = [pytest.mark.skipif(
+        not (CHECK_ALL or name in ALWAYS_CHECKED),
+        reason='costly; NATIVE_PARITY_ALL=1 checks it')]
+    if name in KNOWN_DIFFERENT:
+      marks.append(pytest.mark.xfail(
+          reason='second pass over a reshuffled dataset differs', strict=True))
+    cases.append(pytest.param(name, marks=marks))
+  return cases
+
+
+@pytest.fixture(scope='module')
+def fedres_task():
+  return fedres_testing.linear_task(
+      fedres_testing.client_data(seed=1, sizes=(4, 6, 2, 5)),
+      base.DataConfig(client_batch_size=2, client_steps=2))
+
+
+@pytest.mark.parametrize('name', _parity_cases())
+def test_native_rounds_equal_tff_rounds(task, fedres_task, name):
+  if name in FEDRES_CONFIGS:
+    task = fedres_task
+    config = FEDRES_CONFIGS[name]
+  else:
+    config = CONFIGS[name]
+  algorithm = algorithm_registry.build_algorithm(name, task.model_fn, config,
+                                                 task=task)
+  tff_history = run_rounds(algorithm, task, 'tff')
+  native_history = run_rounds(algorithm, task, 'native')
+  for (tff_state, tff_clients, tff_metrics), (
+      native_state, native_clients, native_metrics) in zip(tff_history,
+                                                           native_history):
+    tf.nest.assert_same_structure(native_state, tff_state, check_types=False)
+    assert_structures_close(native_state, tff_state)
+    assert_structures_close(native_clients, tff_clients)
+    assert_structures_close(native_metrics, tff_metrics)
+  # The rounds trained: the model moved.
+  first, last = tff_history[0][0], tff_history[-1][0]
+  assert not np.allclose(
+      algorithm.get_model_weights(first).trainable[0],
+      algorithm.get_model_weights(last).trainable[0])
+
+
+# ---------------------------------------------------------------------------
+# The driver on the native runtime.
+
+
+def _train(algorithm, task, root, name, total_rounds, export=False):
+  config = driver.RunConfig(
+      root_output_dir=str(root), experiment_name=name,
+      total_rounds=total_rounds, clients_per_round=3, rounds_per_eval=2,
+      rounds_per_checkpoint=2, runtime='native', export=export)
+  return driver.train(algorithm, task, config, {'runtime': 'native'})
+
+
+def _metric_rows(path):
+  with open(path) as f:
+    rows = list(csv.DictReader(f))
+  return [{k: v for k, v in row.items() if not k.endswith('_seconds')}
+          for row in rows]
+
+
+def test_native_driver_run_resumes_bit_identically_and_exports(task,
+                                                               tmp_path):
+  algorithm = algorithm_registry.build_algorithm('scaffold', task.model_fn,
+                                                 CONFIGS['scaffold'])
+  # No TFF execution context at all: a native run that invoked a TFF
+  # computation (and so started TFF's worker) would fail here.
+  tff_runtime.shutdown_workers()
+  try:
+    _train(algorithm, task, tmp_path, 'resumed', 3)
+    resumed = _train(algorithm, task, tmp_path, 'resumed', 4, export=True)
+    straight = _train(algorithm, task, tmp_path, 'straight', 4)
+    assert not tff_runtime._worker_children()  # pylint: disable=protected-access
+  finally:
+    tff_runtime.configure_execution()
+  for a, b in zip(tf.nest.flatten(resumed.server_state),
+                  tf.nest.flatten(straight.server_state)):
+    np.testing.assert_array_equal(a, b)
+  resumed_rows = _metric_rows(tmp_path / 'resumed' / 'metrics.csv')
+  straight_rows = _metric_rows(tmp_path / 'straight' / 'metrics.csv')
+  assert [r['round_num'] for r in resumed_rows] == ['1', '2', '3', '4']
+  # Round 3 ended the first run, so only there was it evaluated.
+  for resumed_row, straight_row in zip(resumed_rows, straight_rows):
+    if resumed_row['round_num'] != '3':
+      assert resumed_row == straight_row
+  # The checkpoint format is the TFF runtime's: it loads into the structure
+  # of the TFF process's state.
+  checkpoints = driver.CheckpointManager(
+      str(tmp_path / 'resumed' / 'checkpoints'), keep=0)
+  assert checkpoints.latest_round() == 4
+  loaded = checkpoints.load(4, driver.program_state_structure(algorithm, 4))
+  tf.nest.assert_same_structure(loaded['server_state'], resumed.server_state,
+                                check_types=False)
+  for a, b in zip(tf.nest.flatten(loaded['server_state']),
+                  tf.nest.flatten(resumed.server_state)):
+    np.testing.assert_array_equal(a, b)
+  exported = export_lib.load_model_weights(
+      str(tmp_path / 'resumed' / 'export'))
+  for a, b in zip(exported.trainable, resumed.model_weights.trainable):
+    np.testing.assert_array_equal(a, b)
+  served = tf.saved_model.load(str(tmp_path / 'resumed' / 'export'))
+  logits = served.signatures['serving_default'](
+      x=tf.ones([2, NUM_FEATURES]))['logit']
+  assert logits.shape == (2, 1)

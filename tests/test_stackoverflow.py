@@ -1,0 +1,243 @@
+"""stackoverflow_char / stackoverflow_word on tiny files in the real formats
+(TFF's stackoverflow.sqlite, a prepared TFDS wikipedia/20201201.en), and on
+synthetic data."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+import tensorflow_federated as tff
+
+from pipeline.errors import UsageError
+from tasks import base
+from tasks import stackoverflow_char as so_char
+from tasks import stackoverflow_word as so_word
+from tests import stackoverflow_fixture as fixture
+
+TINY_MODEL = {'char_embedding_dim': 4, 'gru_units': 4}
+
+
+@pytest.fixture(scope='module')
+def sources(tmp_path_factory):
+  cache_dir = tmp_path_factory.mktemp('tff_cache')
+  written = fixture.write_stackoverflow_sqlite(
+      cache_dir / so_char.SQLITE_NAME)
+  words = fixture.write_word_counts(
+      str(cache_dir), [s for c in written['train'].values() for s in c])
+  data_dir = tmp_path_factory.mktemp('tfds')
+  articles = fixture.write_wikipedia_tfds(str(data_dir))
+  return dict(cache_dir=str(cache_dir), data_dir=str(data_dir),
+              written=written, articles=articles, words=words)
+
+
+def _config(sources, **kwargs):
+  options = dict(TINY_MODEL, **kwargs.pop('options', {}))
+  return base.DataConfig(cache_dir=sources['cache_dir'],
+                         data_dir=sources['data_dir'], options=options,
+                         **kwargs)
+
+
+def _sequences(texts):
+  """The expected packing: [bos] text [eos] back to back, 101-token chunks."""
+  stream = []
+  for text in texts:
+    stream += [so_char.BOS] + list(
+        so_char.char_ids(tf.constant(text)).numpy()) + [so_char.EOS]
+  chunk = so_char.SEQUENCE_LENGTH + 1
+  chunks = [stream[i:i + chunk] for i in range(0, len(stream), chunk)]
+  return sorted(tuple(c + [so_char.PAD] * (chunk - len(c)))
+                for c in chunks if len(c) > 1)
+
+
+def _full_sequences(batches):
+  """(input, target) batches -> the 101-token sequences they were cut from."""
+  return sorted(tuple(np.concatenate([x, y[-1:]]).tolist())
+                for inputs, targets in batches
+                for x, y in zip(np.asarray(inputs), np.asarray(targets)))
+
+
+def _texts(batches):
+  return [so_char.ids_to_text(np.asarray(inputs)[i])
+          for inputs, _ in batches for i in range(np.asarray(inputs).shape[0])]
+
+
+def test_tff_and_tfds_loaders_read_the_fixtures(sources):
+  train, heldout, test = tff.simulation.datasets.stackoverflow.load_data(
+      cache_dir=sources['cache_dir'])
+  for split, client_data in (('train', train), ('heldout', heldout),
+                             ('test', test)):
+    assert sorted(client_data.client_ids) == sorted(sources['written'][split])
+  client_id = sorted(sources['written']['train'])[0]
+  tokens = [e['tokens'].numpy().decode()
+            for e in train.create_tf_dataset_for_client(client_id)]
+  assert tokens == sources['written']['train'][client_id]
+  articles = tfds.load(so_char.WIKIPEDIA, split='train',
+                       data_dir=sources['data_dir'], download=False)
+  assert {a['title'].numpy().decode(): a['text'].numpy().decode()
+          for a in articles} == sources['articles']
+
+
+def test_character_ids():
+  ids = so_char.char_ids(tf.constant('a~ \n\u00e9!')).numpy().tolist()
+  assert ids == [ord('a') - 31, 95, 1, so_char.NEWLINE, so_char.OOV,
+                 ord('!') - 31]
+  assert max(ids) < so_char.CHAR_VOCAB_SIZE
+  assert so_char.ids_to_text(ids) == 'a~ \n<oov>!'
+
+
+@pytest.fixture(scope='module')
+def char_task(sources):
+  return so_char.build_task(_config(
+      sources, client_batch_size=1000, client_epochs=1, central_batch_size=3,
+      central_steps=4, options={'max_eval_sequences': 1000}))
+
+
+def test_client_data_are_the_clients_text_packed(sources, char_task):
+  written = sources['written']['train']
+  assert sorted(char_task.train_client_ids) == sorted(written)
+  client_id = sorted(written)[1]
+  batches = list(char_task.client_dataset_computation(id=client_id, seed=3))
+  assert len(batches) == 1  # one epoch, batch larger than the client
+  assert _full_sequences(batches) == _sequences(written[client_id])
+
+
+def test_client_batches_are_seeded(sources):
+  task = so_char.build_task(_config(sources, client_batch_size=2,
+                                    client_steps=3))
+  client_id = task.train_client_ids[0]
+
+  def batches(seed):
+    return [np.asarray(x) for x, _ in task.client_dataset_computation(
+        id=client_id, seed=seed)]
+
+  first = batches(1)
+  assert [b.shape for b in first] == [(2, so_char.SEQUENCE_LENGTH)] * 3
+  np.testing.assert_array_equal(first, batches(1))
+  assert not np.array_equal(first, batches(2))
+
+
+def test_central_batches_are_training_articles_only(char_task):
+  batches = list(char_task.server_dataset_computation(7))
+  assert [np.asarray(x).shape for x, _ in batches] == [
+      (3, so_char.SEQUENCE_LENGTH)] * 4
+  text = ' '.join(_texts(batches))
+  assert any(word in text for word in fixture.TRAIN_WORDS)
+  assert not any(word in text for word in fixture.HELD_OUT_WORDS)
+  again = list(char_task.server_dataset_computation(7))
+  np.testing.assert_array_equal(_full_sequences(batches),
+                                _full_sequences(again))
+  other = list(char_task.server_dataset_computation(8))
+  assert _full_sequences(batches) != _full_sequences(other)
+
+
+def test_eval_sets(sources, char_task):
+  eval_sets = {name: list(dataset)
+               for name, dataset in char_task.eval_datasets_fn().items()}
+  assert set(eval_sets) == {'', 'stackoverflow', 'wikipedia'}
+  test_clients = sources['written']['test']
+  expected_so = sorted(sum((_sequences(test_clients[c])
+                            for c in test_clients), []))
+  assert _full_sequences(eval_sets['stackoverflow']) == expected_so
+  held_out = [text for title, text in sources['articles'].items()
+              if so_char.is_wikipedia_eval_title(tf.constant(title))]
+  assert held_out
+  wiki = _full_sequences(eval_sets['wikipedia'])
+  assert wiki == _sequences(held_out)
+  text = ' '.join(_texts(eval_sets['wikipedia']))
+  assert not any(word in text for word in ('Rhine', 'flows'))
+  # The mix: both sets, interleaved.
+  assert _full_sequences(eval_sets['']) == sorted(expected_so + wiki)
+  mix_order = [seq in set(wiki) for seq in (
+      tuple(np.concatenate([x, y[-1:]]).tolist())
+      for inputs, targets in eval_sets['']
+      for x, y in zip(np.asarray(inputs), np.asarray(targets)))]
+  assert mix_order != sorted(mix_order)
+
+
+def test_eval_sets_are_bounded(sources):
+  task = so_char.build_task(_config(sources,
+                                    options={'max_eval_sequences': 2}))
+  sizes = {name: sum(np.asarray(x).shape[0] for x, _ in dataset)
+           for name, dataset in task.eval_datasets_fn().items()}
+  assert sizes == {'': 4, 'stackoverflow': 2, 'wikipedia': 2}
+
+
+def test_synthetic_data_has_the_real_element_structure(sources):
+  real_train, _, _ = tff.simulation.datasets.stackoverflow.load_data(
+      cache_dir=sources['cache_dir'])
+  synthetic_train, synthetic_test = so_char.load_stackoverflow(
+      base.DataConfig(use_synthetic_data=True))
+  assert synthetic_train.element_type_structure == (
+      real_train.element_type_structure)
+  assert synthetic_test.element_type_structure == (
+      real_train.element_type_structure)
+  real_wiki = tfds.load(so_char.WIKIPEDIA, split='train',
+                        data_dir=sources['data_dir'], download=False)
+  synthetic_wiki = tf.data.Dataset.from_tensor_slices(
+      so_char.synthetic_wikipedia_articles())
+  assert dict(synthetic_wiki.element_spec) == dict(real_wiki.element_spec)
+  task = so_char.build_task(base.DataConfig(
+      use_synthetic_data=True, client_batch_size=2, client_steps=1,
+      central_batch_size=2, options=dict(TINY_MODEL, max_eval_sequences=3)))
+  assert task.num_train_clients == so_char.SYNTHETIC_TRAIN_CLIENTS
+  assert all(sum(np.asarray(x).shape[0] for x, _ in d) > 0
+             for d in task.eval_datasets_fn().values())
+
+
+def test_missing_data_directories_are_usage_errors(sources, tmp_path):
+  def build(**kwargs):
+    config = dict(cache_dir=sources['cache_dir'],
+                  data_dir=sources['data_dir'], options=TINY_MODEL)
+    config.update(kwargs)
+    return so_char.build_task(base.DataConfig(**config))
+
+  with pytest.raises(UsageError, match='--cache_dir is required'):
+    build(cache_dir=None)
+  with pytest.raises(UsageError, match='--cache_dir=.*does not exist'):
+    build(cache_dir=str(tmp_path / 'missing'))
+  with pytest.raises(UsageError, match='has no stackoverflow.sqlite'):
+    build(cache_dir=str(tmp_path))
+  with pytest.raises(UsageError, match='--data_dir is required'):
+    build(data_dir=None)
+  with pytest.raises(UsageError, match='--data_dir=.* has no prepared TFDS '
+                     'wikipedia/20201201.en'):
+    build(data_dir=str(tmp_path))
+  with pytest.raises(UsageError, match='--gru_units must be >= 1'):
+    build(options={'gru_units': 0})
+
+
+def test_word_task_on_the_fixture(sources):
+  task = so_word.build_task(base.DataConfig(
+      cache_dir=sources['cache_dir'], client_batch_size=2, client_steps=2,
+      options={'word_vocab_size': 5, 'model_width': 0.02,
+               'max_eval_sequences': 4}))
+  vocab = sources['words'][:5]
+  client_id = sorted(sources['written']['train'])[0]
+  batches = [(np.asarray(x), np.asarray(y)) for x, y in
+             task.client_dataset_computation(id=client_id, seed=0)]
+  length = so_word.SEQUENCE_LENGTH
+  assert [x.shape for x, _ in batches] == [(2, length)] * 2
+  # 5 words + pad, oov, bos, eos.
+  num_tokens = 5 + 4
+  bos = 5 + 1 + 1
+  for inputs, targets in batches:
+    assert np.all(inputs[:, 0] == bos)
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+    assert inputs.max() < num_tokens
+  # Every sentence of the client, mapped through the vocabulary (TFF's ids:
+  # word i -> i + 1, unknown words -> the oov id 6), heads some row.
+  ids = {w: i + 1 for i, w in enumerate(vocab)}
+  rows = {tuple(row[1:4]) for inputs, _ in batches for row in inputs}
+  sentences = {tuple(ids.get(w, 6) for w in s.split()[:3])
+               for s in sources['written']['train'][client_id]}
+  assert rows <= sentences
+  [eval_batch] = list(task.eval_datasets_fn()[''])
+  assert np.asarray(eval_batch[0]).shape == (4, length)
+  assert task.keras_model_fn().output_shape == (None, None, num_tokens)
+
+
+def test_word_task_without_vocabulary_is_a_usage_error(sources, tmp_path):
+  import shutil  # pylint: disable=import-outside-toplevel
+  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
+  with pytest.raises(UsageError, match='has no stackoverflow.word_count'):
+    so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
