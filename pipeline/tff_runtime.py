@@ -45,14 +45,10 @@ def _worker_children() -> list[psutil.Process]:
 
 def shutdown_workers() -> None:
   """Stops every TFF worker process started by this process. Idempotent."""
-  tff_module = sys.modules.get('tensorflow_federated')
-  if tff_module is not None:
-    # Dropping the default context lets TFF's own ServiceManager stop its
-    # worker (SIGINT + wait) while the interpreter is still intact.
-    from tensorflow_federated.python.core.impl.context_stack import set_default_context  # pylint: disable=g-import-not-at-top
-    set_default_context.set_no_default_context()
-    # Contexts sit in reference cycles; collect them now, not at teardown.
-    gc.collect()
+  # Stop the workers ourselves, with a deadline, before TFF's ServiceManager
+  # can: its __del__ sends SIGINT and then waits without a timeout, and a
+  # worker that ignores the SIGINT (seen once: a run hung in that wait for
+  # half an hour) would hang this process for good.
   workers = _worker_children()
   for worker in workers:
     try:
@@ -65,7 +61,16 @@ def shutdown_workers() -> None:
       worker.kill()
     except psutil.Error:
       pass
+  psutil.wait_procs(alive, timeout=5)
   _disarm_service_managers()
+  tff_module = sys.modules.get('tensorflow_federated')
+  if tff_module is not None:
+    # Drop the default context (its executors hold gRPC channels to the
+    # stopped workers); contexts sit in reference cycles, so collect now,
+    # not at interpreter teardown.
+    from tensorflow_federated.python.core.impl.context_stack import set_default_context  # pylint: disable=g-import-not-at-top
+    set_default_context.set_no_default_context()
+    gc.collect()
 
 
 def _disarm_service_managers() -> None:
