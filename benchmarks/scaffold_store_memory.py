@@ -13,9 +13,19 @@ RSS stays flat while the clients ever sampled (and the file) grow; the
 `--algorithm=fedavg` (no client state) is the control for what TFF's own
 runtime does over the same rounds.
 
+Rounds and clients ever sampled grow together in one run. To tell them apart,
+`--populations=10000,200` repeats the run with a population that is sampled
+whole every round (200 clients per round out of 200: the clients ever sampled
+stay at 200): the same rounds and the same per-round traffic, only the number
+of distinct clients differs. A final table prints both runs' RSS round by
+round; equal columns mean the memory follows the rounds, not the clients ever
+sampled.
+
   python -m benchmarks.scaffold_store_memory
   python -m benchmarks.scaffold_store_memory --backends=sqlite --rounds=20
   python -m benchmarks.scaffold_store_memory --algorithm=fedavg --backends=memory
+  python -m benchmarks.scaffold_store_memory --backends=sqlite \
+      --populations=10000,200 --rounds=30
 
 Run it from the repository root (`python -m`), so this checkout's code is used.
 """
@@ -134,16 +144,17 @@ def _store_mb(run_dir: str) -> float:
   return total / 2**20
 
 
-def measure(backend: str, args) -> list[dict]:
+def measure(backend: str, population: int, args) -> list[dict]:
   """Runs the child and returns one record per finished round."""
   import psutil  # pylint: disable=g-import-not-at-top
   from pipeline import driver  # pylint: disable=g-import-not-at-top
-  run_dir = os.path.join(args.root_output_dir, f'{args.algorithm}_{backend}')
+  root = os.path.join(args.root_output_dir, f'population_{population}')
+  run_dir = os.path.join(root, f'{args.algorithm}_{backend}')
   shutil.rmtree(run_dir, ignore_errors=True)
   command = [sys.executable, '-m', 'benchmarks.scaffold_store_memory',
              '--child', f'--backend={backend}', f'--algorithm={args.algorithm}',
-             f'--root_output_dir={args.root_output_dir}',
-             f'--population={args.population}', f'--rounds={args.rounds}',
+             f'--root_output_dir={root}',
+             f'--population={population}', f'--rounds={args.rounds}',
              f'--clients_per_round={args.clients_per_round}',
              f'--examples_per_client={args.examples_per_client}',
              f'--hidden={args.hidden}', f'--seed={args.seed}']
@@ -153,7 +164,7 @@ def measure(backend: str, args) -> list[dict]:
   ever_sampled = set()
   records = []
   print(f'\n{args.algorithm}, --client_state_store={backend}: population '
-        f'{args.population}, '
+        f'{population}, '
         f'{args.clients_per_round} clients per round, c_i of '
         f'{args.hidden * (NUM_FEATURES + 1 + NUM_CLASSES) + NUM_CLASSES} '
         'floats')
@@ -168,7 +179,7 @@ def measure(backend: str, args) -> list[dict]:
     while reported < done:
       reported += 1
       ever_sampled.update(driver.plan_round(
-          args.seed, reported, args.population,
+          args.seed, reported, population,
           args.clients_per_round).client_indices)
       record = dict(round=reported, ever_sampled=len(ever_sampled),
                     rss=peak[0], worker_rss=peak[1],
@@ -194,21 +205,36 @@ def summarize(label: str, records: list[dict]) -> None:
   quarter = max(1, len(body) // 4)
   first, last = body[:quarter], body[-quarter:]
   sampled = lambda rs: rs[-1]['ever_sampled']
-  new_clients = max(sampled(last) - sampled(first), 1)
+  new_clients = sampled(last) - sampled(first)
   parts = []
   for name, key in (('training process', 'rss'), ('TFF worker', 'worker_rss')):
     before = max(r[key] for r in first)
     after = max(r[key] for r in last)
-    parts.append(f'{name} {before:.0f} -> {after:.0f} MB '
-                 f'({1000 * (after - before) / new_clients:+.1f} MB per 1000 '
-                 'new clients)')
+    per_client = (f'{1000 * (after - before) / new_clients:+.1f} MB per 1000 '
+                  'new clients' if new_clients else 'no new clients')
+    parts.append(f'{name} {before:.0f} -> {after:.0f} MB ({per_client})')
   print(f'{label}, clients ever sampled {sampled(first)} -> {sampled(last)}: '
         + '; '.join(parts))
 
 
+def print_side_by_side(backend: str, runs: dict[int, list[dict]]) -> None:
+  """RSS per round of runs that differ only in the clients ever sampled."""
+  print(f'\n{backend}: RSS MB per round (training process / TFF worker) by '
+        'population (clients ever sampled)')
+  print(f'{"round":>5s} ' + ' '.join(f'{"pop " + str(p):>24s}' for p in runs))
+  for index in range(min(len(r) for r in runs.values())):
+    cells = [f'{r[index]["rss"]:6.0f} / {r[index]["worker_rss"]:5.0f} '
+             f'({r[index]["ever_sampled"]:5d})' for r in runs.values()]
+    print(f'{index + 1:5d} ' + ' '.join(f'{c:>24s}' for c in cells))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--population', type=int, default=10_000)
+  parser.add_argument('--population', type=int, default=10_000,
+                      help=argparse.SUPPRESS)  # The child's population.
+  parser.add_argument('--populations', default='10000',
+                      help='Comma-separated train populations, one run each '
+                      '(per backend); each must be >= --clients_per_round.')
   parser.add_argument('--clients_per_round', type=int, default=200)
   parser.add_argument('--rounds', type=int, default=40)
   parser.add_argument('--examples_per_client', type=int, default=4)
@@ -229,12 +255,26 @@ def main() -> None:
   temporary = args.root_output_dir is None
   args.root_output_dir = os.path.abspath(
       args.root_output_dir or tempfile.mkdtemp(prefix='scaffold_store_'))
+  populations = [int(p) for p in args.populations.split(',')]
+  if min(populations) < args.clients_per_round:
+    parser.error(f'--populations={args.populations}: every population must be '
+                 f'>= --clients_per_round={args.clients_per_round}')
   try:
-    results = {b: measure(b, args) for b in args.backends.split(',')}
+    results = {(b, p): measure(b, p, args)
+               for b in args.backends.split(',') for p in populations}
     print()
-    for backend, records in results.items():
-      summarize(f'{args.algorithm}, {backend}', records)
+    for (backend, population), records in results.items():
+      summarize(f'{args.algorithm}, {backend}, population {population}',
+                records)
+    if len(populations) > 1:
+      for backend in args.backends.split(','):
+        print_side_by_side(
+            backend, {p: results[backend, p] for p in populations})
   finally:
+    # This process imported TFF (for the driver's sampling plan); drop its
+    # context now, not in interpreter teardown where TFF's __del__ fails.
+    from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
+    tff_runtime.shutdown_workers()
     if temporary:
       shutil.rmtree(args.root_output_dir, ignore_errors=True)
 

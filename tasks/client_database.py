@@ -47,6 +47,26 @@ def client_ids(num_clients: int) -> tuple[str, ...]:
   return tuple(f'client_{j:0{width}d}' for j in range(num_clients))
 
 
+def create_sql_client_data_tables(connection: sqlite3.Connection) -> None:
+  """The two tables `tff.simulation.datasets.SqlClientData` reads."""
+  connection.execute('CREATE TABLE examples (split_name TEXT NOT NULL, '
+                     'client_id TEXT NOT NULL, '
+                     'serialized_example_proto BLOB NOT NULL)')
+  connection.execute('CREATE TABLE client_metadata (client_id TEXT NOT NULL, '
+                     'split_name TEXT NOT NULL, num_examples INTEGER NOT NULL)')
+
+
+def insert_client_examples(connection: sqlite3.Connection, split_name: str,
+                           client_id: str,
+                           serialized_examples: Sequence[bytes]) -> None:
+  """One client's rows of a split, with its `client_metadata` row."""
+  connection.executemany('INSERT INTO examples VALUES (?, ?, ?)',
+                         [(split_name, client_id, example)
+                          for example in serialized_examples])
+  connection.execute('INSERT INTO client_metadata VALUES (?, ?, ?)',
+                     (client_id, split_name, len(serialized_examples)))
+
+
 def _stored_fingerprint(path: str) -> Optional[str]:
   try:
     connection = sqlite3.connect(f'file:{path}?mode=ro', uri=True)
@@ -98,12 +118,7 @@ def _build(path, partition, serialized_examples, fingerprint):
     os.remove(staging)
   connection = sqlite3.connect(staging)
   try:
-    connection.execute('CREATE TABLE examples (split_name TEXT NOT NULL, '
-                       'client_id TEXT NOT NULL, '
-                       'serialized_example_proto BLOB NOT NULL)')
-    connection.execute('CREATE TABLE client_metadata (client_id TEXT NOT '
-                       'NULL, split_name TEXT NOT NULL, num_examples INTEGER '
-                       'NOT NULL)')
+    create_sql_client_data_tables(connection)
     connection.execute(f'CREATE TABLE {_FINGERPRINT_TABLE} (value TEXT)')
     rows = []
     seen = 0

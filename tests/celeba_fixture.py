@@ -6,6 +6,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tasks import client_database
+
 ATTRIBUTES = tff.simulation.datasets.celeba.ATTRIBUTE_NAMES
 
 
@@ -27,12 +29,7 @@ def write_celeba_sqlite(path, train_clients=6, test_clients=2,
   rng = np.random.default_rng(seed)
   written = {}
   with sqlite3.connect(path) as connection:
-    connection.execute('CREATE TABLE examples (split_name TEXT NOT NULL, '
-                       'client_id TEXT NOT NULL, '
-                       'serialized_example_proto BLOB NOT NULL)')
-    connection.execute('CREATE TABLE client_metadata (client_id TEXT NOT NULL,'
-                       ' split_name TEXT NOT NULL, num_examples INTEGER NOT '
-                       'NULL)')
+    client_database.create_sql_client_data_tables(connection)
     for split, count, offset in (('split_by_clients_train', train_clients, 0),
                                  ('split_by_clients_test', test_clients, 100)):
       written[split] = {}
@@ -40,9 +37,7 @@ def write_celeba_sqlite(path, train_clients=6, test_clients=2,
         client_id = str(offset + i)
         smiles = [bool(j % 2) for j in range(examples_per_client)]
         written[split][client_id] = smiles
-        for smiling in smiles:
-          connection.execute('INSERT INTO examples VALUES (?, ?, ?)',
-                             (split, client_id, _example(rng, smiling)))
-        connection.execute('INSERT INTO client_metadata VALUES (?, ?, ?)',
-                           (client_id, split, examples_per_client))
+        client_database.insert_client_examples(
+            connection, split, client_id,
+            [_example(rng, smiling) for smiling in smiles])
   return written

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from tasks import client_database
 from tasks import stackoverflow_char
 
 _WORDS = ('how', 'do', 'i', 'sort', 'a', 'list', 'in', 'python', '?', 'use',
@@ -48,12 +49,7 @@ def write_stackoverflow_sqlite(path, clients_per_split=(4, 2, 3),
   rng = np.random.default_rng(seed)
   written = {}
   with sqlite3.connect(path) as connection:
-    connection.execute('CREATE TABLE examples (split_name TEXT NOT NULL, '
-                       'client_id TEXT NOT NULL, '
-                       'serialized_example_proto BLOB NOT NULL)')
-    connection.execute('CREATE TABLE client_metadata (client_id TEXT NOT NULL,'
-                       ' split_name TEXT NOT NULL, num_examples INTEGER NOT '
-                       'NULL)')
+    client_database.create_sql_client_data_tables(connection)
     for split, count in zip(SPLITS, clients_per_split):
       written[split] = {}
       for i in range(count):
@@ -61,12 +57,10 @@ def write_stackoverflow_sqlite(path, clients_per_split=(4, 2, 3),
         sentences = [' '.join(rng.choice(_WORDS, size=int(rng.integers(5, 30))))
                      for _ in range(examples_per_client)]
         written[split][client_id] = sentences
-        for sentence in sentences:
-          connection.execute(
-              'INSERT INTO examples VALUES (?, ?, ?)',
-              (split, client_id, _example(sentence, int(rng.integers(0, 9)))))
-        connection.execute('INSERT INTO client_metadata VALUES (?, ?, ?)',
-                           (client_id, split, examples_per_client))
+        client_database.insert_client_examples(
+            connection, split, client_id,
+            [_example(sentence, int(rng.integers(0, 9)))
+             for sentence in sentences])
   return written
 
 

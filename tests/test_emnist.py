@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from pipeline.errors import UsageError
 from tasks import base
+from tasks import client_database
 from tasks import emnist
 from tasks import partition
 
@@ -39,10 +40,7 @@ def _write_emnist_sqlite(directory: str):
   content = collections.defaultdict(dict)
   counter = 0
   connection = sqlite3.connect(os.path.join(directory, 'emnist_all.sqlite'))
-  connection.execute('CREATE TABLE examples (split_name TEXT, client_id '
-                     'TEXT, serialized_example_proto BLOB)')
-  connection.execute('CREATE TABLE client_metadata (client_id TEXT, '
-                     'split_name TEXT, num_examples INTEGER)')
+  client_database.create_sql_client_data_tables(connection)
   for split, num_classes in (('all', 62), ('digits_only', 10)):
     for part, sizes in (('train', TRAIN_PER_WRITER),
                         ('test', (TEST_PER_WRITER,) * len(WRITERS))):
@@ -53,12 +51,10 @@ def _write_emnist_sqlite(directory: str):
           pixels = rng.uniform(size=(28, 28)).astype(np.float32)
           pixels[0, 0] = counter
           counter += 1
-          label = int(rng.integers(0, num_classes))
-          examples.append((label, pixels))
-          connection.execute('INSERT INTO examples VALUES (?, ?, ?)',
-                             (split_name, writer, _example(label, pixels)))
-        connection.execute('INSERT INTO client_metadata VALUES (?, ?, ?)',
-                           (writer, split_name, size))
+          examples.append((int(rng.integers(0, num_classes)), pixels))
+        client_database.insert_client_examples(
+            connection, split_name, writer,
+            [_example(label, pixels) for label, pixels in examples])
         content[split_name][writer] = examples
   connection.commit()
   connection.close()
