@@ -192,10 +192,6 @@ FEDRES_CONFIGS = {
 }
 
 
-# FedResSGD and FedResAvg pass twice over a client's shuffled dataset; the
-# second pass draws a different order under the two runtimes (the first pass,
-# and so FedResNaive, agrees), so their rounds differ. Not resolved yet.
-KNOWN_DIFFERENT = ('fedres_sgd', 'fedres_avg')
 
 
 def _parity_cases():
@@ -205,9 +201,6 @@ def _parity_cases():
     marks = [pytest.mark.skipif(
         not (CHECK_ALL or name in ALWAYS_CHECKED),
         reason='costly; NATIVE_PARITY_ALL=1 checks it')]
-    if name in KNOWN_DIFFERENT:
-      marks.append(pytest.mark.xfail(
-          reason='second pass over a reshuffled dataset differs', strict=True))
     cases.append(pytest.param(name, marks=marks))
   return cases
 
