@@ -5,8 +5,10 @@ writes are one transaction, a read takes the newest version, and a resumed run
 rolls the table back to its checkpoint round. The `sqlite` backend keeps the
 table in a file beside the run (memory independent of the population: rows
 are read only for sampled clients); the `memory` backend keeps it in an
-in-memory database and ships its bytes inside the checkpoint. Clients never
-sampled have no row: their state is created lazily by the initializer.
+in-memory database and, at a checkpoint, copies it into a file beside the
+checkpoint (`sqlite3.Connection.backup`: no size limit, unlike
+`Connection.serialize`, which fails above 2 GB). Clients never sampled have
+no row: their state is created lazily by the initializer.
 """
 
 import io
@@ -23,6 +25,22 @@ BACKENDS = ('memory', 'sqlite')
 # 'auto' picks sqlite above this many train clients: per-client states of a
 # large population (StackOverflow: 342,477 clients) must not live in RAM.
 AUTO_SQLITE_MIN_CLIENTS = 10_000
+
+
+# A memory store's checkpoint file, `<prefix><round>.sqlite` in the directory
+# given to `checkpoint`; what `checkpoint` returns names it after FILE_MARKER.
+CHECKPOINT_FILE_PREFIX = 'client_store_round_'
+FILE_MARKER = b'file:'
+
+
+def checkpoint_file_round(name: str) -> Optional[int]:
+  """The round of a checkpoint file name of this module, else None."""
+  stem, suffix = os.path.splitext(name)
+  number = stem[len(CHECKPOINT_FILE_PREFIX):]
+  if (stem.startswith(CHECKPOINT_FILE_PREFIX) and suffix == '.sqlite' and
+      number.isdigit()):
+    return int(number)
+  return None
 
 
 def resolve_backend(backend: str, num_clients: int) -> str:
@@ -132,12 +150,16 @@ class ClientStateStore:
     return self._connection.execute(
         'SELECT COUNT(DISTINCT client_id) FROM client_states').fetchone()[0]
 
-  def checkpoint(self, round_num: int) -> bytes:
+  def checkpoint(self, round_num: int,
+                 directory: Optional[str] = None) -> bytes:
     """Marks `round_num` as checkpointed; returns what the checkpoint keeps.
 
     Versions older than each client's newest one at `round_num` are no longer
-    reachable by a rollback and are dropped. The memory backend returns the
-    whole database (it lives nowhere else); the sqlite backend returns b''.
+    reachable by a rollback and are dropped. The sqlite backend returns b''.
+    The memory backend's database lives nowhere else: with a `directory` it
+    is copied into a file there, at any size, and the file's name is returned
+    (after FILE_MARKER); without one (small stores outside a run) the
+    database's bytes are returned, which SQLite cannot do above 2 GB.
     """
     connection = self._connection
     connection.execute('BEGIN IMMEDIATE')
@@ -147,14 +169,43 @@ class ClientStateStore:
         ' WHERE newer.client_id = client_states.client_id'
         ' AND newer.round_num <= ?)', (round_num,))
     connection.execute('COMMIT')
-    if self._backend == 'memory':
+    if self._backend != 'memory':
+      return b''
+    if directory is None:
       return connection.serialize()
-    return b''
+    name = f'{CHECKPOINT_FILE_PREFIX}{round_num}.sqlite'
+    path = os.path.join(directory, name)
+    staging = path + '.staging'
+    if os.path.exists(staging):
+      os.remove(staging)
+    target = sqlite3.connect(staging)
+    try:
+      connection.backup(target)
+    finally:
+      target.close()
+    os.replace(staging, path)
+    return FILE_MARKER + name.encode()
 
-  def restore(self, round_num: int, checkpoint_bytes: bytes) -> None:
-    """Returns the store to its state at checkpoint `round_num`."""
+  def restore(self, round_num: int, checkpoint_bytes: bytes,
+              directory: Optional[str] = None) -> None:
+    """Returns the store to its state at checkpoint `round_num`.
+
+    `checkpoint_bytes` is what `checkpoint` returned; a file it names is
+    read from `directory`.
+    """
     if self._backend == 'memory':
-      if checkpoint_bytes:
+      if checkpoint_bytes.startswith(FILE_MARKER):
+        name = checkpoint_bytes[len(FILE_MARKER):].decode()
+        path = os.path.join(directory or '', name)
+        if directory is None or not os.path.isfile(path):
+          raise UsageError(f'the client-state store file {path} of checkpoint '
+                           f'round {round_num} is missing')
+        source = sqlite3.connect(path)
+        try:
+          source.backup(self._connection)
+        finally:
+          source.close()
+      elif checkpoint_bytes:
         self._connection.deserialize(checkpoint_bytes)
       else:
         self._connection.execute('DELETE FROM client_states')

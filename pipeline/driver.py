@@ -160,8 +160,20 @@ class CheckpointManager:
       raise UsageError(f'checkpoint {path} holds round {state["round_num"]}')
     return state
 
+  @property
+  def directory(self) -> str:
+    """Where a memory client store writes its checkpoint files."""
+    return self._dir
+
   def save(self, round_num: int, state) -> None:
     asyncio.run(self._manager.save(state, round_num))
+    # Client-store files of checkpoints the manager dropped (or of a save
+    # that never completed).
+    kept = set(asyncio.run(self._manager.get_versions()) or ())
+    for name in os.listdir(self._dir):
+      file_round = client_store_lib.checkpoint_file_round(name)
+      if file_round is not None and file_round not in kept:
+        os.remove(os.path.join(self._dir, name))
 
 
 def write_hparams(run_dir: str, hparams: dict) -> None:
@@ -197,7 +209,8 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
     server_state = initial_state
     if store:  # Drop rows a run that never checkpointed may have left.
       store.restore(0, b'')
-    store_bytes = store.checkpoint(0) if store else b''
+    os.makedirs(checkpoints.directory, exist_ok=True)
+    store_bytes = store.checkpoint(0, checkpoints.directory) if store else b''
     checkpoints.save(0, _program_state(0, server_state, store_bytes))
   elif start_round > config.total_rounds:
     raise UsageError(
@@ -209,7 +222,8 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
         start_round, _program_state(start_round, initial_state, b''))
     server_state = loaded['server_state']
     if store:
-      store.restore(start_round, loaded['client_store'])
+      store.restore(start_round, loaded['client_store'],
+                    checkpoints.directory)
     logging.info('Resuming %s from round %d', run_dir, start_round)
 
   write_hparams(run_dir, hparams or {})
@@ -254,7 +268,8 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
       asyncio.run(csv_metrics.release(row, round_num))
       asyncio.run(tensorboard.release(row, round_num))
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
-        store_bytes = store.checkpoint(round_num) if store else b''
+        store_bytes = (store.checkpoint(round_num, checkpoints.directory)
+                       if store else b'')
         checkpoints.save(round_num,
                          _program_state(round_num, server_state, store_bytes))
       progress.update(1)

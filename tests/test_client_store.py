@@ -105,6 +105,31 @@ def test_checkpoint_survives_a_new_process(tmp_path):
     second.close()
 
 
+def test_memory_checkpoint_into_a_directory_is_a_file(tmp_path):
+  # The driver's path: the in-memory database is copied into a file (no
+  # 2 GB limit, unlike Connection.serialize); a fresh store restores it.
+  first = client_store.open_store(initial_state, 'memory', str(tmp_path))
+  first.write(1, ['a'], [state_with(1.0)])
+  first.write(2, ['a', 'b'], [state_with(2.0), state_with(2.0)])
+  saved = first.checkpoint(2, str(tmp_path))
+  assert saved == b'file:client_store_round_2.sqlite'
+  assert client_store.checkpoint_file_round(
+      'client_store_round_2.sqlite') == 2
+  first.write(3, ['a'], [state_with(3.0)])  # after the checkpoint: lost
+  first.close()
+  second = client_store.open_store(initial_state, 'memory', str(tmp_path))
+  second.write(3, ['c'], [state_with(3.0)])  # replaced by the restore
+  second.restore(2, saved, str(tmp_path))
+  a, b, c = second.read(['a', 'b', 'c'])
+  assert_states_equal(a, state_with(2.0))
+  assert_states_equal(b, state_with(2.0))
+  assert_states_equal(c, initial_state())
+  (tmp_path / 'client_store_round_2.sqlite').unlink()
+  with pytest.raises(client_store.UsageError, match='missing'):
+    second.restore(2, saved, str(tmp_path))
+  second.close()
+
+
 def test_checkpoint_prunes_unreachable_versions(tmp_path):
   store = client_store.open_store(initial_state, 'sqlite', str(tmp_path))
   for round_num in range(1, 6):

@@ -160,6 +160,28 @@ def test_resumed_run_equals_uninterrupted_run(two_round_run, tmp_path, task,
                                     state[key][0])
 
 
+def test_memory_store_checkpoints_into_files_and_resumes(tmp_path, task,
+                                                          algorithm):
+  # The memory store's checkpoints are files beside the driver's (no 2 GB
+  # limit); those of dropped checkpoints go with them.
+  def memory_config(rounds):
+    return dataclasses.replace(
+        _run_config(tmp_path, rounds, export=False),
+        client_state_store='memory', checkpoints_to_keep=2)
+
+  driver.train(algorithm, task, memory_config(3))
+  checkpoint_dir = os.path.join(tmp_path, 'run', 'checkpoints')
+  names = os.listdir(checkpoint_dir)
+  assert sorted(n for n in names if n.startswith('client_store_')) == [
+      'client_store_round_2.sqlite', 'client_store_round_3.sqlite']
+  resumed = driver.train(algorithm, task, memory_config(4))
+  straight = driver.train(algorithm, task,
+                          _run_config(tmp_path / 'straight', 4, export=False))
+  for a, b in zip(resumed.model_weights.trainable,
+                  straight.model_weights.trainable):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize('changes, message', [
     (dict(fedres_option=3), '--fedres_option=3 is unknown'),
     (dict(local_learning_rate=-0.1), '--local_learning_rate'),

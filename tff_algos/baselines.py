@@ -124,7 +124,8 @@ def _client_and_server_optimizers(config: AlgorithmConfig) -> dict:
 
 def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
   process = tff.learning.algorithms.build_weighted_fed_avg(
-      model_fn, **_client_and_server_optimizers(config))
+      model_fn, loop_implementation=baselines_native.LOOP,
+      **_client_and_server_optimizers(config))
   return adapt_learning_process('fedavg', process, _CLIENT_FLAGS + _SERVER_FLAGS,
                                 model_fn, config)
 
@@ -132,6 +133,7 @@ def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
 def build_fedprox(model_fn: Callable, config: AlgorithmConfig):
   process = tff.learning.algorithms.build_weighted_fed_prox(
       model_fn, proximal_strength=config.proximal_strength,
+      loop_implementation=baselines_native.LOOP,
       **_client_and_server_optimizers(config))
   return adapt_learning_process(
       'fedprox', process,
@@ -141,7 +143,7 @@ def build_fedprox(model_fn: Callable, config: AlgorithmConfig):
 
 def build_fedsgd(model_fn: Callable, config: AlgorithmConfig):
   process = tff.learning.algorithms.build_fed_sgd(
-      model_fn,
+      model_fn, loop_implementation=baselines_native.LOOP,
       server_optimizer_fn=optimizers.build(
           config.server_optimizer, config.server_learning_rate,
           'server_optimizer'))

@@ -30,7 +30,11 @@ from tff_algos import native
 
 ModelWeights = tff.learning.models.ModelWeights
 KINDS = ('fedavg', 'fedprox', 'fedsgd')
-_LOOP = tff.learning.LoopImplementation.DATASET_REDUCE  # TFF's default.
+# Both runtimes (baselines.py passes it to TFF's builders): TFF's default,
+# DATASET_REDUCE, runs each training step inside tf.data's reduce function;
+# on the benchmark's CelebA-shaped task that made a client's update 3x slower
+# (README, Benchmark). Same steps, same results.
+LOOP = tff.learning.LoopImplementation.DATASET_ITERATOR
 
 
 class LearningProcessRounds:
@@ -54,16 +58,16 @@ class LearningProcessRounds:
       self._client_update = (
           model_delta_client_work.build_model_delta_update_with_tff_optimizer(
               lambda: self._model, weighting=client_weighting,
-              loop_implementation=_LOOP))
+              loop_implementation=LOOP))
     elif kind == 'fedprox':
       self._client_update = (
           proximal_client_work.build_model_delta_update_with_tff_optimizer(
               lambda: self._model, weighting=client_weighting,
               delta_l2_regularizer=proximal_strength,
-              loop_implementation=_LOOP))
+              loop_implementation=LOOP))
     else:
       self._client_update = fed_sgd._build_client_update(  # pylint: disable=protected-access
-          self._model, loop_implementation=_LOOP)
+          self._model, loop_implementation=LOOP)
     self._metric_finalizers = self._model.metric_finalizers()
     self._trainable_specs = tuple(
         tf.TensorSpec(v.shape, v.dtype)
