@@ -227,6 +227,23 @@ class CandidateScores(tf.keras.layers.Layer):
     return scores * (1 - is_pad) - 2 * is_pad
 
 
+def embedding_initializer(embedding_dim: int) -> tf.keras.initializers.Initializer:
+  """Rows of norm about 1: N(0, 1/d) per coordinate.
+
+  Both losses and the scores see the rows only through their directions
+  (cosine, l2-normalized spreadout), so a row's norm |r| only sets how far a
+  step turns it: the gradient is tangential and scales as 1/|r|, its
+  curvature (the smoothness beta of papers/002 App. D) as 1/|r|^2. With
+  Keras' default uniform(+-0.05) init (|r| ~ 0.12) one step of the paper's
+  eta turns rows by far more than a radian, and 1-w GT, whose clients apply
+  the spreadout gradient of x for all K steps (a stale step K * eta * w_c =
+  2.5 per round), overshoots every round and inflates the row norms instead
+  of spreading the rows out (docs/movielens.md). With unit rows that step
+  is stable. Applied to every algorithm, the baseline included.
+  """
+  return tf.keras.initializers.RandomNormal(stddev=embedding_dim**-0.5)
+
+
 def build_keras_model(num_rows: int, embedding_dim: int, context_length: int,
                       spreadout_weight: float = 0.0) -> tf.keras.Model:
   """context [batch, L] int32 -> scores of all num_rows ids [batch, num_rows]."""
@@ -234,6 +251,7 @@ def build_keras_model(num_rows: int, embedding_dim: int, context_length: int,
                            name='context')
   embedding = tf.keras.layers.Embedding(
       num_rows, embedding_dim, mask_zero=True, name=EMBEDDING_LAYER,
+      embeddings_initializer=embedding_initializer(embedding_dim),
       embeddings_regularizer=(SpreadoutRegularizer(spreadout_weight)
                               if spreadout_weight else None))
   bag = tf.keras.layers.GlobalAveragePooling1D(name='bag_of_movies')(

@@ -160,6 +160,15 @@ def test_model_scores_every_movie_and_never_the_padding():
       movielens.EMBEDDING_LAYER, 'context_hidden', 'context_hidden']
 
 
+def test_embedding_rows_start_at_about_unit_norm():
+  # Not Keras' uniform(+-0.05) (|row| ~ 0.1): see embedding_initializer.
+  tf.keras.utils.set_random_seed(0)
+  model = movielens.build_keras_model(num_rows=2000, embedding_dim=16,
+                                      context_length=4)
+  table = model.get_layer(movielens.EMBEDDING_LAYER).embeddings.numpy()
+  assert np.median(np.linalg.norm(table, axis=1)) == pytest.approx(1, abs=0.1)
+
+
 # --- Task and costs -----------------------------------------------------------
 
 
