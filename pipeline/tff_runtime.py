@@ -15,6 +15,7 @@ import atexit
 import gc
 import os
 import signal
+import subprocess
 import sys
 
 import psutil
@@ -73,16 +74,46 @@ def shutdown_workers() -> None:
     gc.collect()
 
 
+def _service_managers() -> list:
+  # TFF defines its ServiceManager class inside local_cpp_executor_factory,
+  # a new class per factory, so live instances are found, not the class.
+  return [obj for obj in gc.get_objects()
+          if type(obj).__name__ == 'ServiceManager' and
+          type(obj).__module__.endswith('executor_factory')]
+
+
+def _stop_context_workers() -> None:
+  """Stops, with a deadline, the workers of the installed local contexts.
+
+  Replacing TFF's default context drops its ServiceManager, whose __del__
+  sends SIGINT to its worker and waits without a timeout; a worker that
+  ignores the SIGINT hangs this process for good (seen in the test suite,
+  twice in one session). Workers this process started some other way (e.g.
+  remote workers on loopback) are left alone.
+  """
+  processes = []
+  for manager in _service_managers():
+    process = getattr(manager, '_process', None)
+    if process is not None and process.poll() is None:
+      processes.append(process)
+    manager._process = None  # pylint: disable=protected-access
+  for process in processes:
+    process.terminate()
+  for process in processes:
+    try:
+      process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait(timeout=5)
+
+
 def _disarm_service_managers() -> None:
   # A ServiceManager still referenced (e.g. from an exception's traceback)
   # would run its __del__ at teardown, when its module globals are None, and
   # print an AttributeError. Its worker is stopped above, so disarm it.
-  for obj in gc.get_objects():
-    cls = type(obj)
-    if (cls.__name__ == 'ServiceManager' and
-        cls.__module__.endswith('executor_factory')):
-      obj._process = None  # pylint: disable=protected-access
-      cls.__del__ = lambda self: None
+  for manager in _service_managers():
+    manager._process = None  # pylint: disable=protected-access
+    type(manager).__del__ = lambda self: None
 
 
 def _exit_on_signal(signum, frame):
@@ -239,6 +270,7 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   if worker_addresses and num_workers != 1:
     raise UsageError('--num_workers starts local workers and '
                      '--worker_addresses uses running ones; pass one of them')
+  _stop_context_workers()
   if worker_addresses or num_workers > 1:
     _fix_mergeable_context_partitioning()
   if worker_addresses:

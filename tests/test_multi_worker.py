@@ -147,3 +147,19 @@ def test_bad_worker_counts_are_usage_errors():
   with pytest.raises(UsageError, match='one of them'):
     tff_runtime.configure_execution(num_workers=2,
                                     worker_addresses=('localhost:1',))
+
+
+def test_replacing_the_context_does_not_wait_on_an_unresponsive_worker():
+  # TFF's ServiceManager.__del__ sends SIGINT to its worker and waits with no
+  # timeout; twice a suite run hung there when a context was replaced. A
+  # stopped worker reacts to no signal but SIGKILL.
+  tff_runtime.configure_execution()
+  add_one = tff.tensorflow.computation(lambda x: x + 1, np.int32)
+  assert add_one(1) == 2  # Starts the context's worker.
+  (worker,) = tff_runtime._worker_children()  # pylint: disable=protected-access
+  worker.suspend()
+  started = time.monotonic()
+  tff_runtime.configure_execution()
+  assert time.monotonic() - started < 30
+  assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+  assert add_one(2) == 3  # The new context starts a fresh worker.
