@@ -41,6 +41,8 @@ import time
 
 import numpy as np
 
+from binaries import process_memory
+
 NUM_FEATURES = 64
 NUM_CLASSES = 10
 
@@ -115,18 +117,6 @@ def train_child(args) -> None:
   tff_runtime.shutdown_workers()
 
 
-def _rss_mb(process) -> tuple[float, float]:
-  """RSS of the process and of its descendants (TFF's worker), in MB."""
-  import psutil  # pylint: disable=g-import-not-at-top
-  try:
-    own = process.memory_info().rss
-    children = sum(c.memory_info().rss
-                   for c in process.children(recursive=True))
-  except psutil.Error:
-    return float('nan'), float('nan')
-  return own / 2**20, children / 2**20
-
-
 def _rounds_done(run_dir: str) -> int:
   path = os.path.join(run_dir, 'metrics.csv')
   if not os.path.exists(path):
@@ -173,7 +163,7 @@ def measure(backend: str, population: int, args) -> list[dict]:
   reported = 0
   peak = (0.0, 0.0)
   while child.poll() is None:
-    own, workers = _rss_mb(process)
+    own, workers = process_memory.rss_mb(process)
     peak = (max(peak[0], own), max(peak[1], workers))
     done = _rounds_done(run_dir)
     while reported < done:

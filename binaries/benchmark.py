@@ -52,6 +52,7 @@ from absl import flags
 import tensorflow as tf
 
 from binaries import app
+from binaries import process_memory
 from pipeline.errors import UsageError
 
 _CLIENTS_PER_ROUND = flags.DEFINE_integer(
@@ -265,25 +266,6 @@ def run_child() -> None:
 # ------------------------------------------------------------------ parent --
 
 
-def _tree_rss_mb(process) -> tuple[float, float]:
-  """RSS (MB) of `process` and of all its descendants (TFF workers)."""
-  import psutil  # pylint: disable=g-import-not-at-top
-  try:
-    children = process.children(recursive=True)
-  except psutil.Error:
-    return 0.0, 0.0
-  totals = []
-  for processes in ([process], children):
-    total = 0
-    for p in processes:
-      try:
-        total += p.memory_info().rss
-      except psutil.Error:
-        continue
-    totals.append(total / 2**20)
-  return totals[0], totals[1]
-
-
 def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
   """Runs one child; returns its median timed round and peak RSS."""
   import psutil  # pylint: disable=g-import-not-at-top
@@ -303,7 +285,7 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
   peak_rss = peak_python = peak_workers = 0.0
   try:
     while child.poll() is None:
-      python_mb, workers_mb = _tree_rss_mb(process)
+      python_mb, workers_mb = process_memory.rss_mb(process)
       peak_rss = max(peak_rss, python_mb + workers_mb)
       peak_python = max(peak_python, python_mb)
       peak_workers = max(peak_workers, workers_mb)

@@ -169,11 +169,23 @@ FLAGS = flags.FLAGS
 # set. A value is a constant or a function of the flags (read after the
 # constants are applied, in this order).
 TaskDefault = Union[Any, Callable[[flags.FlagValues], Any]]
+
+
+def _paper_cohort(flag_values: flags.FlagValues) -> int:
+  # The papers' S=100; the synthetic stand-ins have 20-60 train clients.
+  return 10 if flag_values.use_synthetic_data else 100
+
+
+def _central_step_of_client_and_server_steps(
+    flag_values: flags.FlagValues) -> float:
+  # eta_c = eta * eta_s (papers/002 Appendix C.2).
+  return flag_values.client_learning_rate * flag_values.server_learning_rate
+
+
 TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
     # papers/002 Table C.2 (SPEC 5.2).
     'celeba_smile': {
-        # S=100 on the real data; the synthetic stand-in has 20 clients.
-        'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
+        'clients_per_round': _paper_cohort,
         'client_batch_size': 5,
         'client_steps': 2,
         'client_learning_rate': 0.01,
@@ -182,17 +194,14 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         # for each of the K central batches of PT and 2-w GT (Appendix C.2).
         'central_batch_size': (
             lambda f: 1000 if f.algorithm == 'mixed_1wgt' else 500),
-        # eta_c = eta * eta_s (Appendix C.2).
-        'central_learning_rate': (
-            lambda f: f.client_learning_rate * f.server_learning_rate),
+        'central_learning_rate': _central_step_of_client_and_server_steps,
         'merge_learning_rate': 1.0,
         'federated_weight': 0.5,
         'central_weight': 0.5,
     },
     # papers/002 Tables C.2, language model (Sec. 5.2).
     'stackoverflow_char': {
-        # S=100 on the real data; the synthetic stand-in has 20 clients.
-        'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
+        'clients_per_round': _paper_cohort,
         'client_batch_size': 8,
         'client_steps': 16,
         # 2-w GT diverged above eta=1.0 (Appendix C.2).
@@ -203,8 +212,7 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         # reasons"; PT and 2-w GT: S * |B_i| per central step.
         'central_batch_size': (
             lambda f: 6400 if f.algorithm == 'mixed_1wgt' else 800),
-        'central_learning_rate': (
-            lambda f: f.client_learning_rate * f.server_learning_rate),
+        'central_learning_rate': _central_step_of_client_and_server_steps,
         'merge_learning_rate': 1.0,
         'federated_weight': 0.73,
         'central_weight': 0.27,
@@ -214,8 +222,7 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
     # data-free (spreadout), computed at the server by the mixed algorithms
     # and on the clients by the baseline.
     'movielens': {
-        # The synthetic stand-in has 38 train clients.
-        'clients_per_round': lambda f: 10 if f.use_synthetic_data else 100,
+        'clients_per_round': _paper_cohort,
         'client_batch_size': 16,
         'client_steps': 10,
         # The baseline (spreadout on clients) optimizes the same objective
@@ -226,8 +233,7 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
             lambda f: 0.5 if (f.algorithm or '').startswith('mixed_')
             else 0.25),
         'server_learning_rate': 1.0,
-        'central_learning_rate': (
-            lambda f: f.client_learning_rate * f.server_learning_rate),
+        'central_learning_rate': _central_step_of_client_and_server_steps,
         'merge_learning_rate': 1.0,
         'federated_weight': 0.5,
         'central_weight': 0.5,

@@ -148,7 +148,8 @@ class CheckpointManager:
     versions = asyncio.run(self._manager.get_versions())
     return versions[-1] if versions else None
 
-  def load(self, round_num: int, structure):
+  def load(self, round_num: int, structure, store=None):
+    """The checkpoint of `round_num`; also rolls `store` back to it."""
     path = os.path.join(self._dir, f'{CHECKPOINT_PREFIX}{round_num}')
     try:
       state = asyncio.run(self._manager.load(round_num, structure))
@@ -158,15 +159,17 @@ class CheckpointManager:
                        'resume from an earlier one') from e
     if int(state['round_num']) != round_num:
       raise UsageError(f'checkpoint {path} holds round {state["round_num"]}')
+    if store:
+      store.restore(round_num, state['client_store'], self._dir)
     return state
 
-  @property
-  def directory(self) -> str:
-    """Where a memory client store writes its checkpoint files."""
-    return self._dir
-
-  def save(self, round_num: int, state) -> None:
-    asyncio.run(self._manager.save(state, round_num))
+  def save(self, round_num: int, server_state, store=None) -> None:
+    """Checkpoints the server state together with the client store."""
+    os.makedirs(self._dir, exist_ok=True)
+    # A memory store writes its database into a file here first.
+    store_bytes = store.checkpoint(round_num, self._dir) if store else b''
+    asyncio.run(self._manager.save(
+        _program_state(round_num, server_state, store_bytes), round_num))
     # Client-store files of checkpoints the manager dropped (or of a save
     # that never completed).
     kept = set(asyncio.run(self._manager.get_versions()) or ())
@@ -209,9 +212,7 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
     server_state = initial_state
     if store:  # Drop rows a run that never checkpointed may have left.
       store.restore(0, b'')
-    os.makedirs(checkpoints.directory, exist_ok=True)
-    store_bytes = store.checkpoint(0, checkpoints.directory) if store else b''
-    checkpoints.save(0, _program_state(0, server_state, store_bytes))
+    checkpoints.save(0, server_state, store)
   elif start_round > config.total_rounds:
     raise UsageError(
         f'--total_rounds={config.total_rounds} is below the round of the '
@@ -219,11 +220,8 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
         '--total_rounds or a new --experiment_name')
   else:
     loaded = checkpoints.load(
-        start_round, _program_state(start_round, initial_state, b''))
+        start_round, _program_state(start_round, initial_state, b''), store)
     server_state = loaded['server_state']
-    if store:
-      store.restore(start_round, loaded['client_store'],
-                    checkpoints.directory)
     logging.info('Resuming %s from round %d', run_dir, start_round)
 
   write_hparams(run_dir, hparams or {})
@@ -268,10 +266,7 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
       asyncio.run(csv_metrics.release(row, round_num))
       asyncio.run(tensorboard.release(row, round_num))
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
-        store_bytes = (store.checkpoint(round_num, checkpoints.directory)
-                       if store else b'')
-        checkpoints.save(round_num,
-                         _program_state(round_num, server_state, store_bytes))
+        checkpoints.save(round_num, server_state, store)
       progress.update(1)
       if 'train/loss' in row:
         progress.set_postfix(loss=f'{row["train/loss"]:.4f}', refresh=False)

@@ -192,17 +192,11 @@ FEDRES_CONFIGS = {
 }
 
 
-
-
 def _parity_cases():
-  names = list(CONFIGS) + list(FEDRES_CONFIGS)
-  cases = []
-  for name in names:
-    marks = [pytest.mark.skipif(
-        not (CHECK_ALL or name in ALWAYS_CHECKED),
-        reason='costly; NATIVE_PARITY_ALL=1 checks it')]
-    cases.append(pytest.param(name, marks=marks))
-  return cases
+  return [pytest.param(name, marks=pytest.mark.skipif(
+      not (CHECK_ALL or name in ALWAYS_CHECKED),
+      reason='costly; NATIVE_PARITY_ALL=1 checks it'))
+          for name in list(CONFIGS) + list(FEDRES_CONFIGS)]
 
 
 @pytest.fixture(scope='module')

@@ -1,0 +1,23 @@
+"""Resident memory of a measured process and of its TFF worker processes."""
+
+
+def rss_mb(process) -> tuple[float, float]:
+  """RSS in MB of `process` and of all its descendants (TFF's workers).
+
+  Processes that end while being read count 0.
+  """
+  import psutil  # pylint: disable=g-import-not-at-top
+  try:
+    children = process.children(recursive=True)
+  except psutil.Error:
+    return 0.0, 0.0
+  totals = []
+  for processes in ([process], children):
+    total = 0
+    for p in processes:
+      try:
+        total += p.memory_info().rss
+      except psutil.Error:
+        continue
+    totals.append(total / 2**20)
+  return totals[0], totals[1]
