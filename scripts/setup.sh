@@ -25,6 +25,10 @@ from tensorflow_datasets.testing import mock_data  # noqa: F401
 import tensorflow_federated as tff
 assert numpy.__version__.startswith("1."), numpy.__version__
 assert tff.__version__ == "0.87.0", tff.__version__
+# Pure-Python protobuf (what protobuf 3.20 falls back to on Python 3.11) makes
+# TFF's tracing and its per-round computation transfer several times slower.
+from google.protobuf.internal import api_implementation
+assert api_implementation.Type() == "upb", api_implementation.Type()
 from pipeline import tff_runtime
 tff_runtime.shutdown_workers()  # stop TFF's worker before interpreter teardown
 print(f"environment ok: tff {tff.__version__}, tf {tf.__version__}, tfds {tfds.__version__}, numpy {numpy.__version__}")

@@ -35,10 +35,6 @@ SYNTHETIC_TRAIN_CLIENTS = 60
 SYNTHETIC_TEST_CLIENTS = 12
 
 
-_SYNTHETIC_OPTIONS = tf.data.Options()
-_SYNTHETIC_OPTIONS.experimental_optimization.apply_default_optimizations = False
-
-
 def _synthetic_client_examples(client_id: tf.Tensor) -> tf.data.Dataset:
   """Deterministic fake CelebA examples for one client id.
 
@@ -64,13 +60,8 @@ def _synthetic_client_examples(client_id: tf.Tensor) -> tf.data.Dataset:
   features = [('image', images)] + [
       (name, attributes[:, i]) for i, name in
       enumerate(tff.simulation.datasets.celeba.ATTRIBUTE_NAMES)]
-  # tf.data's default graph rewrites copy the examples' tensors (about
-  # 1.7 MB a client) into a GraphDef each time a client's pipeline is
-  # iterated; without them a client's update costs a third less (README,
-  # Benchmark). The examples and their order are unchanged.
   return tf.data.Dataset.from_tensor_slices(
-      collections.OrderedDict(sorted(features))).with_options(
-          _SYNTHETIC_OPTIONS)
+      collections.OrderedDict(sorted(features)))
 
 
 def _load_client_data(config: base.DataConfig):

@@ -21,17 +21,6 @@ from tff_algos import fedres_tff
 from tff_algos.config import AlgorithmConfig
 
 
-def _without_static_optimizations() -> tf.data.Options:
-  # tf.data rewrites a pipeline (and starts autotuning threads) each time an
-  # iterator is made, i.e. twice per client per round here; on tiny models
-  # that costs more than the training. Neither changes which elements come
-  # out.
-  options = tf.data.Options()
-  options.experimental_optimization.apply_default_optimizations = False
-  options.autotune.enabled = False
-  return options
-
-
 def _to_numpy(structure):
   return tf.nest.map_structure(np.asarray, structure)
 
@@ -72,7 +61,7 @@ class InProcessRounds:
     """
     del server_data  # FedRes uses no server data.
     hparams = self.hparams
-    options = _without_static_optimizations()
+    options = base.without_pipeline_rewrites()
     datasets = [dataset.with_options(options) for dataset in datasets]
     message = fedres_tff.server_message(hparams, server_state)
     outputs = [
