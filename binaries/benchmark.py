@@ -14,7 +14,8 @@ times one round three ways on this machine, each in its own process:
              the runtime every round);
   (c) bound: the same client steps and weighted averaging as one in-process
              TF loop, no TFF: one tf.function per client update (its dataset
-             built in-graph), clients in sequence, then the average.
+             built in-graph), clients in sequence, then the average; with
+             grappler off, which only costs time here.
 
 The first --warmup_rounds of every run (tracing/compilation) are not timed;
 a run's time per round is the median of the timed rounds. Peak RSS is that
@@ -201,6 +202,11 @@ def _run_plain_tf_bound() -> list[float]:
   config = _data_config('fedavg')
   # No global TF seed: with one, shuffle(seed=<tensor>) inside tf.function
   # fails (TF compares the seed pair to (0, 0) in Python).
+  # Grappler re-optimizes the dataset's functions for every client's iterator
+  # and costs more than it saves here (1.6 vs 2.4 s a round at 100 clients):
+  # off, so (c) stays the fastest plain-TF round we know.
+  tf.config.optimizer.set_experimental_options(
+      {'disable_meta_optimizer': True})
   global_model = celeba.build_keras_model()
   client_model = celeba.build_keras_model()
   loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
@@ -213,9 +219,12 @@ def _run_plain_tf_bound() -> list[float]:
     for local, server in zip(client_model.trainable_variables,
                              global_model.trainable_variables):
       local.assign(server)
+    # The task's client pipeline minus its flat_map over a composite
+    # client's raw ids (one raw id here): the same examples, in the same
+    # order, without instantiating flat_map's function per client.
     dataset = base.client_batches(
-        celeba._synthetic_client_examples(client_id), config,  # pylint: disable=protected-access
-        seed).map(celeba._to_batch)  # pylint: disable=protected-access
+        celeba._synthetic_client_examples(client_id).map(  # pylint: disable=protected-access
+            celeba._model_columns), config, seed).map(celeba._to_batch)  # pylint: disable=protected-access
     num_examples = tf.constant(0.0)
     # iter(): a tf.while_loop over the iterator, the fastest TF loop here
     # (the driver's LoopImplementation.DATASET_ITERATOR); `for .. in

@@ -110,6 +110,11 @@ CONFIGS = {
     'scaffold': AlgorithmConfig(client_learning_rate=0.3,
                                 server_learning_rate=0.9,
                                 num_train_clients=NUM_CLIENTS),
+    # Option I passes over a client's dataset twice in one computation.
+    'scaffold_option_1': AlgorithmConfig(client_learning_rate=0.3,
+                                         server_learning_rate=0.9,
+                                         num_train_clients=NUM_CLIENTS,
+                                         scaffold_option=1),
     'fedpvr': AlgorithmConfig(client_learning_rate=0.3,
                               client_optimizer='sgdm',
                               num_train_clients=NUM_CLIENTS,
@@ -176,11 +181,6 @@ def run_rounds(algorithm, task, runtime, num_rounds=2, clients_per_round=3):
   return history
 
 
-# Building and first running a TFF process costs ~30 s per algorithm here,
-# so the suite checks the three of the acceptance; set
-# NATIVE_PARITY_ALL=1 to check every algorithm.
-ALWAYS_CHECKED = ('fedavg', 'scaffold', 'mixed_2wgt')
-CHECK_ALL = os.environ.get('NATIVE_PARITY_ALL') == '1'
 FEDRES_CONFIGS = {
     'fedres_naive': AlgorithmConfig(client_learning_rate=0.1,
                                     local_learning_rate=0.2),
@@ -192,11 +192,7 @@ FEDRES_CONFIGS = {
 }
 
 
-def _parity_cases():
-  return [pytest.param(name, marks=pytest.mark.skipif(
-      not (CHECK_ALL or name in ALWAYS_CHECKED),
-      reason='costly; NATIVE_PARITY_ALL=1 checks it'))
-          for name in list(CONFIGS) + list(FEDRES_CONFIGS)]
+PARITY_CASES = list(CONFIGS) + list(FEDRES_CONFIGS)
 
 
 @pytest.fixture(scope='module')
@@ -206,15 +202,16 @@ def fedres_task():
       base.DataConfig(client_batch_size=2, client_steps=2))
 
 
-@pytest.mark.parametrize('name', _parity_cases())
+@pytest.mark.parametrize('name', PARITY_CASES)
 def test_native_rounds_equal_tff_rounds(task, fedres_task, name):
   if name in FEDRES_CONFIGS:
     task = fedres_task
     config = FEDRES_CONFIGS[name]
   else:
     config = CONFIGS[name]
-  algorithm = algorithm_registry.build_algorithm(name, task.model_fn, config,
-                                                 task=task)
+  # A case's algorithm: its name up to `_option_`.
+  algorithm = algorithm_registry.build_algorithm(
+      name.split('_option_')[0], task.model_fn, config, task=task)
   tff_history = run_rounds(algorithm, task, 'tff')
   native_history = run_rounds(algorithm, task, 'native')
   for (tff_state, tff_clients, tff_metrics), (

@@ -34,8 +34,6 @@ class InProcessRounds:
 
   def __init__(self, variant: str, task: base.Task, config: AlgorithmConfig):
     self.hparams = fedres_tff.hyperparameters(variant, task, config)
-    # Naive: one joint pass; SGD and Avg: Step 1, then a pass on w.
-    self.passes_over_client_data = 1 if variant == 'naive' else 2
     self._model = fedres_tf.ResidualModel(task.residual_spec)
     self._initial_global, self.initial_local = fedres_tff.initial_weights(
         task.residual_spec)
@@ -52,9 +50,8 @@ class InProcessRounds:
            client_states: Sequence[Any], server_data=None):
     """One round over the given (sampled) clients, in order.
 
-    `datasets` may be `native.DatasetPerPass` objects (the driver's native
-    runtime passes them), so both passes of SGD/Avg see the same batches, as
-    in the TFF process; a plain dataset reshuffles on the second pass.
+    SGD and Avg iterate a client's dataset twice (Step 1, then the pass on
+    w); the second pass reshuffles, as in the TFF process.
 
     Returns (new server state, new client states, metrics) like the TFF
     process's `next` (a `tff_algos.native.NativeRounds`).

@@ -21,7 +21,6 @@ a checkpoint written under one runtime loads under the other.
 """
 
 import collections
-import functools
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
@@ -35,9 +34,6 @@ RUNTIMES = ('tff', 'native')
 
 class NativeRounds(Protocol):
   """A dataset-level process run in-process (one per algorithm)."""
-
-  # How many times a client's update iterates its dataset (default 1).
-  passes_over_client_data: int
 
   def initialize(self) -> Any:
     """The server state `process.initialize()` of the TFF process gives."""
@@ -76,27 +72,6 @@ def graph_mode_dataset_fn(dataset_fn: Callable,
   return build
 
 
-class DatasetPerPass:
-  """A client's dataset, built afresh for every pass over it.
-
-  TFF rebuilds a dataset value from its graph for every consumer, so a client
-  function that iterates its dataset twice (FedResSGD/FedResAvg: Step 1, then
-  the pass on w) sees the same shuffled order both times there, while a
-  dataset object reshuffles on its second iteration. Rounds that pass over a
-  client's data more than once (`NativeRounds.passes_over_client_data > 1`)
-  get these in place of datasets; they only iterate them.
-  """
-
-  def __init__(self, build: Callable[[], tf.data.Dataset]):
-    self._build = build
-
-  def __iter__(self):
-    return iter(self._build())
-
-  def with_options(self, options: tf.data.Options) -> 'DatasetPerPass':
-    return DatasetPerPass(lambda: self._build().with_options(options))
-
-
 class NativeProcessById:
   """A `NativeRounds` fed by client id, like `contract.compose_by_id`."""
 
@@ -108,7 +83,6 @@ class NativeProcessById:
     self._client_cost = (tf.function(client_cost_fn, autograph=False)
                          if client_cost_fn is not None else None)
     self._has_client_state = has_client_state
-    self._dataset_per_pass = getattr(rounds, 'passes_over_client_data', 1) > 1
     self._client_dataset = graph_mode_dataset_fn(
         client_dataset_fn, (tf.TensorSpec([], tf.string),
                             tf.TensorSpec([], tf.int64)))
@@ -126,11 +100,7 @@ class NativeProcessById:
                                 tf.constant(client['seed'], tf.int64))
 
   def next(self, server_state, client_inputs: Sequence[Any], server_seed):
-    if self._dataset_per_pass:
-      datasets = [DatasetPerPass(functools.partial(self._dataset_of, client))
-                  for client in client_inputs]
-    else:
-      datasets = [self._dataset_of(client) for client in client_inputs]
+    datasets = [self._dataset_of(client) for client in client_inputs]
     client_states = ([client['state'] for client in client_inputs]
                      if self._has_client_state else None)
     server_data = None

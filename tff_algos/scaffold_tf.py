@@ -16,8 +16,19 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 import tensorflow_federated as tff
+from tensorflow_federated.python.learning import loop_builder
 
 from pipeline.errors import UsageError
+
+# tff.learning's loops over a dataset. DATASET_ITERATOR (a while loop over an
+# iterator) runs local steps about 3x faster than DATASET_REDUCE (inside
+# tf.data's reduce; README, Benchmark), but Option I passes over a client's
+# dataset twice in one computation, and there only DATASET_REDUCE gives both
+# runtimes the same second pass (tests/test_native_runtime.py).
+_ITERATOR_LOOP = loop_builder.build_training_loop(
+    tff.learning.LoopImplementation.DATASET_ITERATOR)
+_REDUCE_LOOP = loop_builder.build_training_loop(
+    tff.learning.LoopImplementation.DATASET_REDUCE)
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -133,6 +144,8 @@ def build_client_update(model: tff.learning.models.VariableModel,
     raise UsageError(f'--scaffold_option={option} is unknown; allowed: 1, 2')
   learning_rate = float(learning_rate)
   has_unmasked = not all(mask)
+  training_loop = (_REDUCE_LOOP if option == OPTION_GRADIENT_AT_SERVER_MODEL
+                   else _ITERATOR_LOOP)
 
   def sum_of_gradients_at_model(dataset, variables):
     """Sum over batches of batch_size * grad(mean batch loss), and n."""
@@ -147,9 +160,9 @@ def build_client_update(model: tff.learning.models.VariableModel,
                     for s, g in zip(gradient_sums, gradients)),
               num_examples + batch_size)
 
-    # Tuples, not lists: dataset.reduce would stack a list into one tensor.
-    initial = (tuple(tf.zeros_like(v) for v in variables), tf.constant(0.0))
-    return dataset.reduce(initial, add_batch)
+    # Tuples, not lists: the loop would stack a list into one tensor.
+    return training_loop(add_batch, dataset, lambda: (
+        tuple(tf.zeros_like(v) for v in variables), tf.constant(0.0)))
 
   @tf.function
   def client_update(initial_weights, server_cv, client_cv, dataset):
@@ -187,9 +200,10 @@ def build_client_update(model: tff.learning.models.VariableModel,
     if has_unmasked:
       optimizer_state = client_optimizer.initialize(tuple(
           tf.TensorSpec(v.shape, v.dtype) for v in unmasked_vars))
-    num_steps, num_examples, _ = dataset.reduce(
-        (tf.constant(0, tf.int64), tf.constant(0, tf.int64), optimizer_state),
-        train_on_batch)
+    num_steps, num_examples, _ = training_loop(
+        train_on_batch, dataset, lambda: (
+            tf.constant(0, tf.int64), tf.constant(0, tf.int64),
+            optimizer_state))
 
     model_delta = [v - x for v, x in zip(trainable, initial_weights.trainable)]
     trained = num_steps > 0
