@@ -147,6 +147,10 @@ def build_task(config: base.DataConfig) -> base.Task:
     train_ids = _composite_ids(raw_train_ids, config.seed)
 
   def client_examples(client_id):
+    if mode == 'federated':
+      # Not through flat_map, whose function each client's iterator would
+      # instantiate again.
+      return raw_examples(client_id)
     # A composite client is its raw clients' data in sequence.
     raw_ids = tf.strings.split(client_id, COMPOSITE_SEPARATOR)
     examples = tf.data.Dataset.from_tensor_slices(raw_ids).flat_map(
