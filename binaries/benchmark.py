@@ -30,12 +30,10 @@ for --clients_per_round clients; the line before it gives
 ratio_naive_over_bound=<(b)/(c)>, the ceiling of (b)/(a) on this task since
 (a) can be no faster than (c).
 
-  python -m binaries.benchmark --quick        # small sizes: ~1.5 min on an idle machine
+  python -m binaries.benchmark --quick        # small sizes: ~1 min on an idle machine
   python -m binaries.benchmark --clients_per_round=100 \
-      --sweep_clients=10,100 --rounds=3       # the README table
-
-Most of a child's wall time is importing TF and tracing; on 2 shared cores
-under load the README run took about an hour.
+      --sweep_clients=10,100,1000 --sweep_algorithms=fedavg,mixed_2wgt \
+      --clients_per_subround=100 --rounds=3   # the README table
 """
 
 import json
@@ -82,6 +80,11 @@ _MAX_CONCURRENT_CALLS = flags.DEFINE_integer(
     'Passed to TFF\'s C++ runtime in (a) and (b) (<= 0: no cap).')
 _NUM_WORKERS = flags.DEFINE_integer(
     'num_workers', 1, 'Local TFF worker processes of the driver runs (a).')
+_CLIENTS_PER_SUBROUND = flags.DEFINE_integer(
+    'clients_per_subround', 0,
+    '(a) and the sweep\'s driver runs: rounds with more clients run as '
+    'sub-rounds of at most this many (train.py --num_subrounds), which bounds '
+    'the worker\'s memory. 0: no sub-rounds.')
 _QUICK = flags.DEFINE_boolean(
     'quick', False,
     'Small sizes (10 clients, 1 timed round, no sweep) to check the '
@@ -122,6 +125,13 @@ def _timed(round_seconds: list[float]) -> list[float]:
   return round_seconds[_WARMUP_ROUNDS.value:]
 
 
+def _num_subrounds() -> int:
+  per_subround = _CLIENTS_PER_SUBROUND.value
+  if per_subround <= 0 or _CHILD_CLIENTS.value <= per_subround:
+    return 0
+  return -(-_CHILD_CLIENTS.value // per_subround)
+
+
 def _run_tff_driver() -> list[float]:
   """(a): the driver's per-round seconds (eval and checkpoint excluded)."""
   import csv  # pylint: disable=g-import-not-at-top
@@ -131,7 +141,8 @@ def _run_tff_driver() -> list[float]:
   from tff_algos import registry  # pylint: disable=g-import-not-at-top
   from tff_algos.config import AlgorithmConfig  # pylint: disable=g-import-not-at-top
   tff_runtime.configure_execution(_MAX_CONCURRENT_CALLS.value,
-                                  num_workers=_NUM_WORKERS.value)
+                                  num_workers=_NUM_WORKERS.value,
+                                  num_subrounds=_num_subrounds())
   algorithm_name = _CHILD_ALGORITHM.value
   task = celeba.build_task(_data_config(algorithm_name))
   algorithm = registry.build_algorithm(
@@ -284,7 +295,8 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
              f'--child_output_dir={output_dir}']
   command += [f'--{name}={FLAGS[name].value}' for name in (
       'rounds', 'warmup_rounds', 'client_steps', 'client_batch_size',
-      'population', 'max_concurrent_computation_calls', 'num_workers')]
+      'population', 'max_concurrent_computation_calls', 'num_workers',
+      'clients_per_subround')]
   started = time.perf_counter()
   child = subprocess.Popen(command, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True,
@@ -346,7 +358,9 @@ def run_parent() -> None:
   print(f'benchmark: K={_CLIENT_STEPS.value}, B={_CLIENT_BATCH_SIZE.value}, '
         f'{_ROUNDS.value} timed + {_WARMUP_ROUNDS.value} warm-up rounds, '
         f'population {_POPULATION.value}, {os.cpu_count()} CPUs, load '
-        f'average {_load()}', flush=True)
+        f'average {_load()}' + (
+            f', driver sub-rounds of <= {_CLIENTS_PER_SUBROUND.value} clients'
+            if _CLIENTS_PER_SUBROUND.value > 0 else ''), flush=True)
   headline = {mode: measure(mode, _CLIENTS_PER_ROUND.value)
               for mode in MODES}
   records = list(headline.values())

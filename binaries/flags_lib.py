@@ -38,6 +38,12 @@ flags.DEFINE_integer('max_concurrent_computation_calls', -1,
 flags.DEFINE_integer('num_workers', 1,
                      'Local TFF worker processes; > 1 splits each round\'s '
                      'clients over them (TFF\'s mergeable execution context).')
+flags.DEFINE_integer('num_subrounds', 0,
+                     'Split each round\'s clients into this many sub-rounds, '
+                     'run one after another on each worker and merged (TFF\'s '
+                     'mergeable execution context): a worker holds one '
+                     'sub-round\'s client values at a time, which bounds its '
+                     'memory at large cohorts. 0: one sub-round per worker.')
 flags.DEFINE_string('worker_addresses', '',
                     'host:port,... of running TFF workers (worker_binary '
                     '--port=N) to split each round\'s clients over, instead '
@@ -277,7 +283,7 @@ def configure_execution() -> None:
   tff_runtime.configure_execution(
       FLAGS.max_concurrent_computation_calls, num_workers=FLAGS.num_workers,
       worker_addresses=tff_runtime.parse_worker_addresses(
-          FLAGS.worker_addresses))
+          FLAGS.worker_addresses), num_subrounds=FLAGS.num_subrounds)
 
 
 def data_config() -> task_base.DataConfig:

@@ -248,19 +248,24 @@ def _fix_mergeable_context_partitioning() -> None:
 
 def configure_execution(max_concurrent_computation_calls: int = -1,
                         num_workers: int = 1,
-                        worker_addresses: tuple[str, ...] = ()) -> None:
+                        worker_addresses: tuple[str, ...] = (),
+                        num_subrounds: int = 0) -> None:
   """Sets the TFF execution context (SPEC 4.6).
 
-  Default (one worker, no addresses): TFF's local C++ execution context.
-  `num_workers` > 1 starts that many local C++ workers; `worker_addresses`
-  uses already-running workers (`worker_binary --port=N` on other hosts).
-  Either way TFF's mergeable execution context splits each round's clients
-  into one sub-round per worker and merges their aggregates, so a
-  computation must not feed one aggregation's result into another (TFF
-  raises a ValueError when compiling one that does); SCAFFOLD's `next` is
-  tested to give the one-worker results. Client-placed outputs computed before the
-  aggregation (e.g. new client states) are recomputed after the merge, so
-  stateful algorithms do their client work twice on this path.
+  Default (one worker, no addresses, no sub-rounds): TFF's local C++
+  execution context. `num_workers` > 1 starts that many local C++ workers;
+  `worker_addresses` uses already-running workers (`worker_binary --port=N`
+  on other hosts); `num_subrounds` > 1 splits each round's clients into that
+  many sub-rounds, run one after another on each worker (0: one per worker).
+  In all three cases TFF's mergeable execution context runs each sub-round up
+  to the aggregation and merges the aggregates, so a computation must not
+  feed one aggregation's result into another (TFF raises a ValueError when
+  compiling one that does); SCAFFOLD's `next` is tested to give the
+  one-worker results. A worker holds the values of one sub-round's clients
+  at a time, which bounds its memory at large cohorts. Client-placed outputs
+  computed before the aggregation (e.g. new client states) are recomputed
+  after the merge, so stateful algorithms do their client work twice on this
+  path.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
@@ -270,18 +275,23 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   if worker_addresses and num_workers != 1:
     raise UsageError('--num_workers starts local workers and '
                      '--worker_addresses uses running ones; pass one of them')
+  if num_subrounds < 0:
+    raise UsageError(f'--num_subrounds must be >= 0, got {num_subrounds}')
   _stop_context_workers()
-  if worker_addresses or num_workers > 1:
+  mergeable = worker_addresses or num_workers > 1 or num_subrounds > 1
+  if mergeable:
     _fix_mergeable_context_partitioning()
   if worker_addresses:
-    tff.backends.native.set_mergeable_comp_execution_context(
-        [_remote_worker_context(a) for a in worker_addresses])
-  elif num_workers > 1:
+    contexts = [_remote_worker_context(a) for a in worker_addresses]
+  elif mergeable:
     # Each local context starts (and owns) its own worker_binary child.
-    tff.backends.native.set_mergeable_comp_execution_context([
+    contexts = [
         tff.backends.native.create_async_local_cpp_execution_context(
             max_concurrent_computation_calls=max_concurrent_computation_calls)
-        for _ in range(num_workers)])
+        for _ in range(num_workers)]
+  if mergeable:
+    tff.backends.native.set_mergeable_comp_execution_context(
+        contexts, num_subrounds=num_subrounds or None)
   else:
     tff.backends.native.set_sync_local_cpp_execution_context(
         max_concurrent_computation_calls=max_concurrent_computation_calls)

@@ -129,6 +129,15 @@ def test_two_remote_workers_on_loopback_give_the_one_worker_run(
              for w in workers)
 
 
+def test_sub_rounds_on_one_worker_give_the_one_worker_run(
+    task, one_worker_run, tmp_path, restore_default_context):
+  del restore_default_context
+  tff_runtime.configure_execution(num_subrounds=2)
+  context = tff.framework.get_context_stack().current
+  assert len(context._async_execution_contexts) == 1  # pylint: disable=protected-access
+  _assert_same_run(one_worker_run, _train(task, tmp_path, 'scaffold'))
+
+
 @pytest.mark.parametrize('addresses', ['localhost', 'localhost:port',
                                        'localhost:8000,:8001', 'h:70000'])
 def test_malformed_worker_address_is_a_usage_error(addresses):
@@ -147,6 +156,8 @@ def test_bad_worker_counts_are_usage_errors():
   with pytest.raises(UsageError, match='one of them'):
     tff_runtime.configure_execution(num_workers=2,
                                     worker_addresses=('localhost:1',))
+  with pytest.raises(UsageError, match='--num_subrounds'):
+    tff_runtime.configure_execution(num_subrounds=-1)
 
 
 def test_replacing_the_context_does_not_wait_on_an_unresponsive_worker():
