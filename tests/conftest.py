@@ -1,5 +1,6 @@
 """Test-session set-up: TFF's local runtime, and no worker left behind."""
 
+import signal
 import warnings
 
 import pytest
@@ -7,11 +8,40 @@ import pytest
 from pipeline import tff_runtime
 
 
+# The slowest test takes under a minute; a hung one (e.g. waiting on a TFF
+# worker) fails after this instead of using up CI's 90 minutes.
+TEST_TIME_LIMIT_SECONDS = 600
+
+
+class TestTimeLimitExceeded(Exception):
+  """Raised inside a test that runs longer than its time limit."""
+
+
 def pytest_configure(config):
-  del config
+  config.addinivalue_line(
+      'markers', 'time_limit(seconds): this test\'s time limit')
   # TF/TFF dependencies warn about distutils at import; not ours to fix.
   warnings.filterwarnings('ignore', category=DeprecationWarning)
   tff_runtime.configure_execution()
+
+
+@pytest.fixture(autouse=True)
+def _time_limit(request):
+  # SIGALRM's handler runs in the main thread and raises there, so the test
+  # fails through its normal teardown (TFF workers are stopped as usual),
+  # unlike killing the process.
+  marker = request.node.get_closest_marker('time_limit')
+  seconds = marker.args[0] if marker else TEST_TIME_LIMIT_SECONDS
+
+  def on_alarm(signum, frame):
+    del signum, frame
+    raise TestTimeLimitExceeded(f'{request.node.nodeid} ran over {seconds} s')
+
+  previous = signal.signal(signal.SIGALRM, on_alarm)
+  signal.alarm(seconds)
+  yield
+  signal.alarm(0)
+  signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope='session', autouse=True)
