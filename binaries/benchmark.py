@@ -222,7 +222,10 @@ def _run_plain_tf_bound() -> list[float]:
   client_model = celeba.build_keras_model()
   loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
   optimizer = tf.keras.optimizers.SGD(CLIENT_LEARNING_RATE)
-  client_ids = [f'synthetic_train_{i:03d}' for i in range(_POPULATION.value)]
+  task = celeba.build_task(config)
+  # The very pipeline (a) builds inside TFF, run here in-process.
+  client_dataset = base.dataset_fn_of(task.client_dataset_computation)
+  client_ids = task.train_client_ids
 
   @tf.function
   def client_update(client_id, seed):
@@ -230,12 +233,7 @@ def _run_plain_tf_bound() -> list[float]:
     for local, server in zip(client_model.trainable_variables,
                              global_model.trainable_variables):
       local.assign(server)
-    # The task's client pipeline minus its flat_map over a composite
-    # client's raw ids (one raw id here): the same examples, in the same
-    # order, without instantiating flat_map's function per client.
-    dataset = base.client_batches(
-        celeba._synthetic_client_examples(client_id).map(  # pylint: disable=protected-access
-            celeba._model_columns), config, seed).map(celeba._to_batch)  # pylint: disable=protected-access
+    dataset = client_dataset(client_id, seed)
     num_examples = tf.constant(0.0)
     # iter(): a tf.while_loop over the iterator, the fastest TF loop here
     # (the driver's LoopImplementation.DATASET_ITERATOR); `for .. in
