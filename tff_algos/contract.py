@@ -34,6 +34,7 @@ import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
 from tff_algos import communication
+from tff_algos import dataset_fusion
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -140,4 +141,5 @@ def compose_by_id(
         result[2], tff.federated_map(cost_computation, datasets))
     return result[0], result[1], metrics
 
-  return tff.templates.IterativeProcess(inner.initialize, next_fn)
+  return tff.templates.IterativeProcess(
+      inner.initialize, dataset_fusion.fuse_client_datasets(next_fn))
