@@ -64,6 +64,22 @@ def _with_datasets_built(value: building_blocks.ComputationBuildingBlock,
   return building_blocks.Struct(elements)
 
 
+def _selection(function) -> bool:
+  """Whether `function` is `(x -> x[i])`."""
+  return (isinstance(function, building_blocks.Lambda) and
+          isinstance(function.result, building_blocks.Selection) and
+          isinstance(function.result.source, building_blocks.Reference) and
+          function.result.source.name == function.parameter_name)
+
+
+def _selection_lambda(index: int, parameter_type,
+                      parameter_name: str) -> building_blocks.Lambda:
+  parameter = building_blocks.Reference(parameter_name, parameter_type)
+  return building_blocks.Lambda(
+      parameter_name, parameter_type,
+      building_blocks.Selection(parameter, index=index))
+
+
 def _fused_map(function: building_blocks.CompiledComputation,
                argument: building_blocks.Reference, paths: _DatasetPaths,
                parameter_name: str) -> building_blocks.Call:
@@ -99,41 +115,57 @@ def fuse_client_datasets(computation: tff.Computation) -> tff.Computation:
           isinstance(lambda_form.result, building_blocks.Block)):
     return computation
   names = building_block_factory.unique_name_generator(lambda_form)
-  # Local name -> (dataset paths, the reference holding the dataset inputs).
+  # Client values that are, or contain, datasets: local name -> (where the
+  # datasets sit, a reference to the same value with dataset inputs there).
   carriers: dict[str, tuple[_DatasetPaths, building_blocks.Reference]] = {}
   new_locals = []
   fused_any = False
+
+  def add_inputs_local(name, paths, value):
+    inputs_name = next(names)
+    new_locals.append((inputs_name, value))
+    carriers[name] = (paths, building_blocks.Reference(
+        inputs_name, value.type_signature))
+
   for name, value in lambda_form.result.locals:
     new_locals.append((name, value))
     if _intrinsic_call(value, intrinsic_defs.FEDERATED_MAP.uri):
       function, argument = value.argument[0], value.argument[1]
-      if not (_tensorflow(function) and
-              isinstance(argument, building_blocks.Reference)):
+      if not isinstance(argument, building_blocks.Reference):
         continue
-      if argument.name in carriers:
-        paths, inputs = carriers[argument.name]
-        new_locals[-1] = (name, _fused_map(function, inputs, paths,
+      carried = carriers.get(argument.name)
+      if _tensorflow(function) and carried:
+        # A client computation of the datasets: build them inside it.
+        new_locals[-1] = (name, _fused_map(function, carried[1], carried[0],
                                            next(names)))
         fused_any = True
-      elif isinstance(function.type_signature.result,
-                      computation_types.SequenceType):
+      elif _tensorflow(function) and isinstance(
+          function.type_signature.result, computation_types.SequenceType):
         carriers[name] = (function, argument)
+      elif carried and isinstance(carried[0], dict) and _selection(function):
+        # Picking one element of a zip that holds datasets: pick it from the
+        # zip of dataset inputs instead.
+        index = function.result.as_index()
+        inputs = carried[1]
+        selected = building_block_factory.create_federated_map(
+            _selection_lambda(index, inputs.type_signature.member,
+                              next(names)), inputs)
+        if index in carried[0]:
+          add_inputs_local(name, carried[0][index], selected)
+        else:  # Not a dataset: the same value, without the zip of datasets.
+          new_locals[-1] = (name, selected)
     elif _intrinsic_call(value, intrinsic_defs.FEDERATED_ZIP_AT_CLIENTS.uri):
-      elements = list(structure.iter_elements(value.argument))
       paths = {}
-      new_elements = []
-      for index, (element_name, element) in enumerate(elements):
+      input_elements = []
+      for index, (element_name, element) in enumerate(
+          structure.iter_elements(value.argument)):
         carried = (isinstance(element, building_blocks.Reference) and
                    carriers.get(element.name))
         if carried:
-          paths[index] = carried[0]
-          element = carried[1]
-        new_elements.append((element_name, element))
+          paths[index], element = carried
+        input_elements.append((element_name, element))
       if paths:
-        inputs_name = next(names)
-        new_locals.append((inputs_name, _zip_at_clients(new_elements)))
-        carriers[name] = (paths, building_blocks.Reference(
-            inputs_name, new_locals[-1][1].type_signature))
+        add_inputs_local(name, paths, _zip_at_clients(input_elements))
   if not fused_any:
     return computation
   fused = building_blocks.Lambda(
