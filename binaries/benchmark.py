@@ -12,9 +12,10 @@ times one round three ways on this machine, each in its own process:
              list of the sampled clients' tf.data datasets each round, as
              TFF's tutorials do (the datasets are built and serialized into
              the runtime every round);
-  (c) bound: the same client steps and weighted averaging as one in-process
-             TF loop, no TFF: one tf.function per client update (its dataset
-             built in-graph), clients in sequence, then the average; with
+  (c) bound: the same client steps and weighted averaging in-process, no
+             TFF: one tf.function per client update (its dataset built
+             in-graph), the clients spread over one thread per CPU (TFF's
+             worker also runs clients concurrently), then the average; with
              grappler off, which only costs time here.
 
 The first --warmup_rounds of every run (tracing/compilation) are not timed;
@@ -36,6 +37,7 @@ ratio_naive_over_bound=<(b)/(c)>, the ceiling of (b)/(a) on this task since
       --clients_per_subround=100 --rounds=3   # the README table
 """
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -85,6 +87,9 @@ _CLIENTS_PER_SUBROUND = flags.DEFINE_integer(
     '(a) and the sweep\'s driver runs: rounds with more clients run as '
     'sub-rounds of at most this many (train.py --num_subrounds), which bounds '
     'the worker\'s memory. 0: no sub-rounds.')
+_BOUND_THREADS = flags.DEFINE_integer(
+    'bound_threads', 0,
+    'Threads running (c)\'s clients concurrently (0: one per CPU).')
 _QUICK = flags.DEFINE_boolean(
     'quick', False,
     'Small sizes (10 clients, 1 timed round, no sweep) to check the '
@@ -219,35 +224,40 @@ def _run_plain_tf_bound() -> list[float]:
   tf.config.optimizer.set_experimental_options(
       {'disable_meta_optimizer': True})
   global_model = celeba.build_keras_model()
-  client_model = celeba.build_keras_model()
   loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
-  optimizer = tf.keras.optimizers.SGD(CLIENT_LEARNING_RATE)
   task = celeba.build_task(config)
   # The very pipeline (a) builds inside TFF, run here in-process.
   client_dataset = base.dataset_fn_of(task.client_dataset_computation)
   client_ids = task.train_client_ids
 
-  @tf.function
-  def client_update(client_id, seed):
-    """One client's K steps from the global model; (delta, num_examples)."""
-    for local, server in zip(client_model.trainable_variables,
-                             global_model.trainable_variables):
-      local.assign(server)
-    dataset = client_dataset(client_id, seed)
-    num_examples = tf.constant(0.0)
-    # iter(): a tf.while_loop over the iterator, the fastest TF loop here
-    # (the driver's LoopImplementation.DATASET_ITERATOR); `for .. in
-    # dataset` would run each step inside tf.data's reduce, 3x slower.
-    for images, labels in iter(dataset):
-      with tf.GradientTape() as tape:
-        loss = loss_fn(labels, client_model(images, training=True))
-      gradients = tape.gradient(loss, client_model.trainable_variables)
-      optimizer.apply_gradients(
-          zip(gradients, client_model.trainable_variables))
-      num_examples += tf.cast(tf.shape(labels)[0], tf.float32)
-    delta = [local - server for local, server in zip(
-        client_model.trainable_variables, global_model.trainable_variables)]
-    return delta, num_examples
+  def build_client_update():
+    """A client update with its own model, for one thread."""
+    client_model = celeba.build_keras_model()
+    optimizer = tf.keras.optimizers.SGD(CLIENT_LEARNING_RATE)
+
+    @tf.function
+    def client_update(client_id, seed):
+      """One client's K steps from the global model; (delta, num_examples)."""
+      for local, server in zip(client_model.trainable_variables,
+                               global_model.trainable_variables):
+        local.assign(server)
+      dataset = client_dataset(client_id, seed)
+      num_examples = tf.constant(0.0)
+      # iter(): a tf.while_loop over the iterator, the fastest TF loop here
+      # (the driver's LoopImplementation.DATASET_ITERATOR); `for .. in
+      # dataset` would run each step inside tf.data's reduce, 3x slower.
+      for images, labels in iter(dataset):
+        with tf.GradientTape() as tape:
+          loss = loss_fn(labels, client_model(images, training=True))
+        gradients = tape.gradient(loss, client_model.trainable_variables)
+        optimizer.apply_gradients(
+            zip(gradients, client_model.trainable_variables))
+        num_examples += tf.cast(tf.shape(labels)[0], tf.float32)
+      delta = [local - server for local, server in zip(
+          client_model.trainable_variables, global_model.trainable_variables)]
+      return delta, num_examples
+
+    return client_update
 
   @tf.function
   def server_update(delta_sums, total_examples):
@@ -256,21 +266,37 @@ def _run_plain_tf_bound() -> list[float]:
                                    delta_sums):
       variable.assign_add(SERVER_LEARNING_RATE * delta_sum / total_examples)
 
-  seconds = []
-  for round_num in range(1, _WARMUP_ROUNDS.value + _ROUNDS.value + 1):
-    started = time.perf_counter()
-    from pipeline import driver  # pylint: disable=g-import-not-at-top
-    plan = driver.plan_round(0, round_num, len(client_ids),
-                             _CHILD_CLIENTS.value)
+  # TFF's worker runs a round's clients concurrently; so does the bound, one
+  # thread per core (TF runs ops outside the GIL), else it is no bound.
+  num_threads = _BOUND_THREADS.value or os.cpu_count()
+  client_updates = [build_client_update() for _ in range(num_threads)]
+
+  def weighted_delta_sums(client_update, clients):
     delta_sums = [tf.zeros_like(v) for v in global_model.trainable_variables]
     total_examples = tf.constant(0.0)
-    for index, seed in zip(plan.client_indices, plan.client_seeds):
-      delta, num_examples = client_update(
-          tf.constant(client_ids[index]), tf.constant(seed, tf.int64))
+    for client_id, seed in clients:
+      delta, num_examples = client_update(tf.constant(client_id),
+                                          tf.constant(seed, tf.int64))
       delta_sums = [s + d * num_examples for s, d in zip(delta_sums, delta)]
       total_examples += num_examples
-    server_update(delta_sums, total_examples)
-    seconds.append(time.perf_counter() - started)
+    return delta_sums, total_examples
+
+  from pipeline import driver  # pylint: disable=g-import-not-at-top
+  seconds = []
+  with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+    for round_num in range(1, _WARMUP_ROUNDS.value + _ROUNDS.value + 1):
+      started = time.perf_counter()
+      plan = driver.plan_round(0, round_num, len(client_ids),
+                               _CHILD_CLIENTS.value)
+      clients = [(client_ids[index], seed) for index, seed in zip(
+          plan.client_indices, plan.client_seeds)]
+      parts = list(pool.map(
+          weighted_delta_sums, client_updates,
+          [clients[t::num_threads] for t in range(num_threads)]))
+      delta_sums = [tf.add_n(list(sums)) for sums in zip(
+          *[part[0] for part in parts])]
+      server_update(delta_sums, tf.add_n([part[1] for part in parts]))
+      seconds.append(time.perf_counter() - started)
   return seconds
 
 
@@ -294,7 +320,7 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
   command += [f'--{name}={FLAGS[name].value}' for name in (
       'rounds', 'warmup_rounds', 'client_steps', 'client_batch_size',
       'population', 'max_concurrent_computation_calls', 'num_workers',
-      'clients_per_subround')]
+      'clients_per_subround', 'bound_threads')]
   started = time.perf_counter()
   child = subprocess.Popen(command, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True,
