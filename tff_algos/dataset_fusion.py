@@ -9,7 +9,8 @@ a client for the CelebA pipeline, more than the client's training steps of a
 small model. TFF 0.87's compiler has no pass that merges a chain of mapped TF
 computations into one, so this module does that for the one chain that
 matters here: every client-side TF computation that consumes the datasets
-(directly, or inside a `federated_zip` with other client values) becomes one
+(directly, or inside a `federated_zip` with other client values, or picked
+out of one) becomes one
 TF computation that takes the dataset computation's input instead and builds
 the dataset in its own graph. The pipeline is the same seeded graph, so the
 elements are the same; a dataset consumed twice (e.g. by the client update
@@ -17,7 +18,7 @@ and by the cost metrics) is built twice, as the second pass over a dataset
 value rebuilt it before.
 """
 
-from typing import Optional, Union
+from typing import Union
 
 import tensorflow_federated as tff
 from tensorflow_federated.python.common_libs import structure
