@@ -16,6 +16,11 @@ the dataset in its own graph. The pipeline is the same seeded graph, so the
 elements are the same; a dataset consumed twice (e.g. by the client update
 and by the cost metrics) is built twice, as the second pass over a dataset
 value rebuilt it before.
+
+TFF's static graph optimizer (its memory optimizer's recomputation heuristics
+with function inlining) fails on the fused graphs and logs one `function_optimizer
+failed: ... inputs from different frames` error per computation; TF then runs
+them without that pass, bit-identical (tests/test_dataset_fusion.py).
 """
 
 from typing import Union
