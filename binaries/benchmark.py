@@ -376,6 +376,8 @@ def run_parent() -> None:
     raise UsageError('--rounds must be >= 1 and --warmup_rounds >= 0')
   if min([_CLIENTS_PER_ROUND.value] + sweep) < 1:
     raise UsageError('--clients_per_round and --sweep_clients must be >= 1')
+  if _BOUND_THREADS.value < 0:
+    raise UsageError(f'--bound_threads must be >= 0, got {_BOUND_THREADS.value}')
   if _POPULATION.value < largest:
     raise UsageError(f'--population={_POPULATION.value} is below the '
                      f'largest clients per round ({largest})')
