@@ -1,0 +1,35 @@
+"""binaries/benchmark.py runs its three measurements and prints its contract.
+
+Only that it runs: its figures are measurements of this machine, not
+something a test can hold to a bound.
+"""
+
+import re
+
+from test_cli import run_binary
+
+LAST_LINE = re.compile(r'ratio_tff_over_bound=(\S+) ratio_naive_over_tff=(\S+) '
+                       r'peak_rss_mb=(\d+)$')
+
+
+def test_quick_run_prints_the_ratios_line():
+  result = run_binary('binaries.benchmark', '--quick', '--clients_per_round=3',
+                      '--population=6')
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  match = LAST_LINE.match(lines[-1])
+  assert match, lines[-1]
+  tff_over_bound, naive_over_tff, peak_rss_mb = match.groups()
+  assert float(tff_over_bound) > 0 and float(naive_over_tff) > 0
+  assert int(peak_rss_mb) > 0
+  assert lines[-2].startswith('ratio_naive_over_bound=')
+  for mode in ('tff', 'naive', 'bound'):
+    assert any(line.strip().startswith(f'{mode} ') and 's/round' in line
+               for line in lines), mode
+
+
+def test_negative_thread_count_is_one_clear_error():
+  result = run_binary('binaries.benchmark', '--bound_threads=-1')
+  assert result.returncode == 2
+  assert 'error: --bound_threads must be >= 0, got -1' in (
+      result.stdout + result.stderr)
