@@ -7,8 +7,6 @@ would cost a serialized dataset per client and round), and the fused rounds
 are exactly the unfused ones.
 """
 
-import collections
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -17,12 +15,12 @@ from tensorflow_federated.python.core.impl.compiler import intrinsic_defs
 from tensorflow_federated.python.core.impl.compiler import transformations
 from tensorflow_federated.python.core.impl.types import computation_types
 
-from pipeline import driver
 from tasks import base
 from tasks import movielens
 import fedres_testing
 from test_native_runtime import CONFIGS
 from test_native_runtime import FEDRES_CONFIGS
+from test_native_runtime import run_process_rounds
 from test_native_runtime import tiny_task
 from tff_algos import contract
 from tff_algos import registry
@@ -87,27 +85,6 @@ def test_a_second_consumer_of_the_datasets_is_fused_too():
   assert _dataset_producing_client_maps(process.next) == 0
 
 
-def _rounds(algorithm, task, process, num_rounds=2):
-  state = algorithm.set_model_weights(
-      process.initialize(), driver.initial_model_weights(task, 0))
-  states = {}
-  history = []
-  for round_num in range(1, num_rounds + 1):
-    plan = driver.plan_round(3, round_num, task.num_train_clients, 3)
-    ids = [task.train_client_ids[i] for i in plan.client_indices]
-    inputs = [collections.OrderedDict(id=i, seed=s)
-              for i, s in zip(ids, plan.client_seeds)]
-    if algorithm.has_client_state:
-      for client_input in inputs:
-        client_input['state'] = states.get(client_input['id'],
-                                           algorithm.client_state_fn())
-    state, outputs, metrics = process.next(state, inputs, plan.server_seed)
-    if algorithm.has_client_state:
-      states.update(zip(ids, [o['state'] for o in outputs]))
-    history.append((state, dict(states), metrics))
-  return history
-
-
 # Two passes over a client's dataset in one computation, with client states
 # (SCAFFOLD Option I: its datasets reach the client update inside a zip with
 # the states), and FedResSGD's two passes.
@@ -115,8 +92,8 @@ def _rounds(algorithm, task, process, num_rounds=2):
 def test_fused_rounds_equal_unfused_rounds_exactly(tasks, name):
   algorithm, task, unfused = _compose(name, tasks, fuse_datasets=False)
   _, _, fused = _compose(name, tasks, fuse_datasets=True)
-  expected = _rounds(algorithm, task, unfused)
-  actual = _rounds(algorithm, task, fused)
+  expected = run_process_rounds(algorithm, task, unfused)
+  actual = run_process_rounds(algorithm, task, fused)
   flat_expected = tf.nest.flatten(expected)
   flat_actual = tf.nest.flatten(actual)
   assert len(flat_actual) == len(flat_expected)

@@ -162,7 +162,14 @@ def assert_structures_close(actual, expected):
 
 def run_rounds(algorithm, task, runtime, num_rounds=2, clients_per_round=3):
   """(server states, client states, metrics) after each round."""
-  process = driver.compose_process(algorithm, task, runtime)
+  return run_process_rounds(algorithm, task,
+                            driver.compose_process(algorithm, task, runtime),
+                            num_rounds, clients_per_round)
+
+
+def run_process_rounds(algorithm, task, process, num_rounds=2,
+                       clients_per_round=3):
+  """`run_rounds` on a composed by-id process."""
   state = algorithm.set_model_weights(
       process.initialize(), driver.initial_model_weights(task, 0))
   states = None

@@ -36,7 +36,6 @@ from tensorflow_federated.python.core.impl.compiler import tree_transformations
 from tensorflow_federated.python.core.impl.computation import computation_impl
 from tensorflow_federated.python.core.impl.context_stack import context_stack_impl
 from tensorflow_federated.python.core.impl.types import computation_types
-from tensorflow_federated.python.core.impl.types import placements
 
 # Where datasets sit in a client value: a dataset computation (the value at
 # this position is its input), or, for a struct, {element index: subtree}.
@@ -78,14 +77,6 @@ def _selection(function) -> bool:
           function.result.source.name == function.parameter_name)
 
 
-def _selection_lambda(index: int, parameter_type,
-                      parameter_name: str) -> building_blocks.Lambda:
-  parameter = building_blocks.Reference(parameter_name, parameter_type)
-  return building_blocks.Lambda(
-      parameter_name, parameter_type,
-      building_blocks.Selection(parameter, index=index))
-
-
 def _fused_map(function: building_blocks.CompiledComputation,
                argument: building_blocks.Reference, paths: _DatasetPaths,
                parameter_name: str) -> building_blocks.Call:
@@ -96,18 +87,6 @@ def _fused_map(function: building_blocks.CompiledComputation,
       building_blocks.Call(function, _with_datasets_built(parameter, paths)))
   return building_block_factory.create_federated_map(
       compiler.compile_local_computation_to_tensorflow(fused), argument)
-
-
-def _zip_at_clients(elements) -> building_blocks.Call:
-  struct = building_blocks.Struct(elements)
-  result_type = computation_types.FederatedType(
-      computation_types.StructType([
-          (name, element.type_signature.member)
-          for name, element in elements]), placements.CLIENTS)
-  intrinsic = building_blocks.Intrinsic(
-      intrinsic_defs.FEDERATED_ZIP_AT_CLIENTS.uri,
-      computation_types.FunctionType(struct.type_signature, result_type))
-  return building_blocks.Call(intrinsic, struct)
 
 
 def fuse_client_datasets(computation: tff.Computation) -> tff.Computation:
@@ -152,10 +131,8 @@ def fuse_client_datasets(computation: tff.Computation) -> tff.Computation:
         # Picking one element of a zip that holds datasets: pick it from the
         # zip of dataset inputs instead.
         index = function.result.as_index()
-        inputs = carried[1]
-        selected = building_block_factory.create_federated_map(
-            _selection_lambda(index, inputs.type_signature.member,
-                              next(names)), inputs)
+        selected = building_block_factory.create_federated_getitem_call(
+            carried[1], index)
         if index in carried[0]:
           add_inputs_local(name, carried[0][index], selected)
         else:  # Not a dataset: the same value, without the zip of datasets.
@@ -171,7 +148,9 @@ def fuse_client_datasets(computation: tff.Computation) -> tff.Computation:
           paths[index], element = carried
         input_elements.append((element_name, element))
       if paths:
-        add_inputs_local(name, paths, _zip_at_clients(input_elements))
+        add_inputs_local(name, paths,
+                         building_block_factory.create_federated_zip(
+                             building_blocks.Struct(input_elements)))
   if not fused_any:
     return computation
   fused = building_blocks.Lambda(
