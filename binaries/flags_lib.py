@@ -82,6 +82,10 @@ flags.DEFINE_float('similarity', None,
                    'emnist/digits: s, the percentage of i.i.d. data per '
                    'client (the rest label-sorted shards), in [0, 100] '
                    '(default 0).')
+flags.DEFINE_float('l2_regularization', None,
+                   'digits: lambda of the L2 penalty (lambda / 2) * '
+                   '||kernel||^2 of every Dense layer, added to the training '
+                   'loss and to eval loss (>= 0; default 0).')
 flags.DEFINE_float('dirichlet_alpha', None,
                    'cifar10/cifar100: concentration of the Dirichlet label '
                    'partition (small: skewed clients; default 0.1).')
@@ -313,7 +317,11 @@ def _task_options() -> dict:
              'emnist_only_digits': FLAGS.emnist_only_digits,
              'spreadout_on_clients': FLAGS.spreadout_on_clients,
              'spreadout_weight': FLAGS.spreadout_weight}
+  if FLAGS.l2_regularization is not None and FLAGS.task != 'digits':
+    raise UsageError('--l2_regularization applies to --task=digits only, not '
+                     f'--task={FLAGS.task}')
   for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha',
+               'l2_regularization',
                'char_embedding_dim', 'gru_units', 'word_vocab_size',
                'max_eval_sequences', 'movielens_embedding_dim',
                'movielens_context_length'):

@@ -41,6 +41,8 @@ def train(algorithm, steps, learning_rate, args):
       sys.executable, '-m', 'binaries.train', '--task=digits',
       f'--algorithm={algorithm}', f'--model={args.model}',
       f'--similarity={args.similarity:g}', f'--num_clients={args.num_clients}',
+      f'--l2_regularization={args.l2_regularization:g}',
+      f'--runtime={args.runtime}',
       f'--clients_per_round={args.clients_per_round}',
       f'--client_batch_size={args.client_batch_size}',
       f'--client_steps={steps}', f'--client_learning_rate={learning_rate:g}',
@@ -79,7 +81,8 @@ def summarize(args) -> dict:
 def print_table(rows, args) -> None:
   print(f'\ndigits, similarity {args.similarity:g}%, {args.clients_per_round} '
         f'of {args.num_clients} clients per round, batch '
-        f'{args.client_batch_size}, model {args.model}, seed {args.seed}')
+        f'{args.client_batch_size}, model {args.model}, L2 lambda '
+        f'{args.l2_regularization:g}, seed {args.seed}')
   print(f'{"algorithm":10s} {"K":>4s} {"eta":>6s} {"rounds":>6s} '
         f'{"train loss":>10s} {"test acc":>8s} '
         f'{"rounds to loss<=" + format(args.target_loss, "g"):>18s}')
@@ -128,6 +131,12 @@ def main() -> int:
                       help='Comma-separated grid of client learning rates.')
   parser.add_argument('--model', default='logistic')
   parser.add_argument('--similarity', type=float, default=0.0)
+  parser.add_argument('--l2_regularization', type=float, default=0.0,
+                      help='lambda of the (lambda / 2) * ||kernel||^2 penalty '
+                      '(the train loss then includes it).')
+  parser.add_argument('--runtime', default='tff', choices=('tff', 'native'),
+                      help='Both give the same rounds to float rounding; '
+                      'native is faster.')
   parser.add_argument('--num_clients', type=int, default=100)
   parser.add_argument('--clients_per_round', type=int, default=20)
   parser.add_argument('--client_batch_size', type=int, default=3)

@@ -10,6 +10,10 @@ with `--similarity` percent i.i.d. (default 0: label-sorted shards).
 
 Models (`--model`): `logistic` (multinomial logistic regression, 64 -> 10) and
 `mlp` (64 -> 100 ReLU -> 10), the convex and non-convex models of the paper.
+`--l2_regularization=lam` adds (lam / 2) * ||kernel||^2 of every Dense layer to
+the training loss (biases are not penalized), making logistic regression
+strongly convex with finite client optima: the regime of SCAFFOLD's client-drift
+analysis (docs/scaffold.md shows why FedAvg's slow-down with K needs it here).
 Evaluation: the test images (`eval/...`) and the whole training set
 (`eval_train/...`, the objective f(x) the federated clients jointly minimize).
 
@@ -36,6 +40,7 @@ MODELS = ('logistic', 'mlp')
 DEFAULT_MODEL = 'logistic'
 DEFAULT_NUM_CLIENTS = 100
 DEFAULT_SIMILARITY = 0.0
+DEFAULT_L2_REGULARIZATION = 0.0
 MLP_HIDDEN_UNITS = 100
 SYNTHETIC_NUM_IMAGES = 600
 
@@ -81,12 +86,20 @@ def to_model_input(images: tf.Tensor) -> tf.Tensor:
   return tf.reshape(tf.cast(images, tf.float32), [-1, NUM_PIXELS]) / MAX_PIXEL
 
 
-def build_keras_model(model: str) -> tf.keras.Model:
+def build_keras_model(model: str,
+                      l2_regularization: float = 0.0) -> tf.keras.Model:
+  # Keras' L2(l) adds l * sum(w^2); the penalty here is (lam / 2) * ||w||^2,
+  # whose gradient is lam * w. Keras adds it to `model.losses`, which
+  # tff.learning's forward pass and Keras' evaluate both add to the loss, so
+  # training and `eval_train/loss` see the same objective.
+  regularizer = (tf.keras.regularizers.L2(l2_regularization / 2.0)
+                 if l2_regularization else None)
+  dense = lambda units, **kwargs: tf.keras.layers.Dense(
+      units, kernel_regularizer=regularizer, **kwargs)
   if model == 'logistic':
-    layers = [tf.keras.layers.Dense(NUM_CLASSES)]
+    layers = [dense(NUM_CLASSES)]
   elif model == 'mlp':
-    layers = [tf.keras.layers.Dense(MLP_HIDDEN_UNITS, activation='relu'),
-              tf.keras.layers.Dense(NUM_CLASSES)]
+    layers = [dense(MLP_HIDDEN_UNITS, activation='relu'), dense(NUM_CLASSES)]
   else:
     raise UsageError(f'--model={model!r} is unknown for --task=digits; '
                      f'allowed: {", ".join(MODELS)}')
@@ -104,12 +117,17 @@ def _options(config: base.DataConfig):
   if model not in MODELS:
     raise UsageError(f'--model={model!r} is unknown for --task=digits; '
                      f'allowed: {", ".join(MODELS)}')
+  l2_regularization = float(
+      options.get('l2_regularization', DEFAULT_L2_REGULARIZATION))
+  if not l2_regularization >= 0.0:
+    raise UsageError(f'--l2_regularization={l2_regularization} must be >= 0')
   return (model, int(options.get('num_clients', DEFAULT_NUM_CLIENTS)),
-          float(options.get('similarity', DEFAULT_SIMILARITY)))
+          float(options.get('similarity', DEFAULT_SIMILARITY)),
+          l2_regularization)
 
 
 def build_task(config: base.DataConfig) -> base.Task:
-  model, num_clients, similarity = _options(config)
+  model, num_clients, similarity, l2_regularization = _options(config)
   arrays = load_arrays(config.use_synthetic_data)
   num_test = (NUM_TEST_IMAGES if not config.use_synthetic_data else
               SYNTHETIC_NUM_IMAGES // 6)
@@ -146,7 +164,7 @@ def build_task(config: base.DataConfig) -> base.Task:
       train_client_ids=tuple(client_id(k) for k in range(num_clients)),
       client_dataset_computation=base.client_dataset_computation(
           client_dataset),
-      keras_model_fn=lambda: build_keras_model(model),
+      keras_model_fn=lambda: build_keras_model(model, l2_regularization),
       loss_fn=lambda: tf.keras.losses.SparseCategoricalCrossentropy(
           from_logits=True),
       metrics_fn=lambda: [

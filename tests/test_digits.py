@@ -76,10 +76,40 @@ def test_options_choose_model_population_and_similarity():
     (dict(similarity=-5.0), '--similarity'),
     (dict(num_clients=0), '--num_clients'),
     (dict(num_clients=1501), '--num_clients'),
+    (dict(l2_regularization=-0.1), '--l2_regularization'),
 ])
 def test_bad_options_name_the_flag(options, flag):
   with pytest.raises(UsageError, match=flag):
     registry.build_task('digits', _config(**options))
+
+
+@pytest.mark.parametrize('model', digits.MODELS)
+def test_l2_regularization_adds_half_lambda_squared_kernels_to_both_losses(
+    model):
+  lam = 0.01
+  task = registry.build_task('digits', _config(model=model,
+                                               l2_regularization=lam))
+  batch = next(iter(task.client_dataset_computation('0007', 123)))
+  features, labels = (tf.constant(np.asarray(t)) for t in batch)
+  learning_model = task.model_fn()
+  kernels = [v.numpy() for v in learning_model.trainable_variables
+             if v.shape.rank == 2]
+  assert len(kernels) == (1 if model == 'logistic' else 2)
+  penalty = 0.5 * lam * sum(float(np.sum(k.astype(np.float64)**2))
+                            for k in kernels)
+  logits = learning_model.predict_on_batch(features, training=False)
+  cross_entropy = float(task.loss_fn()(labels, logits))
+  # What every algorithm differentiates (tff.learning's forward pass) ...
+  train_loss = float(learning_model.forward_pass((features, labels)).loss)
+  np.testing.assert_allclose(train_loss, cross_entropy + penalty, rtol=1e-5)
+  # ... and what evaluation reports as eval_train/loss (Keras' evaluate).
+  keras_model = task.keras_model_fn()
+  keras_model.set_weights([v.numpy()
+                           for v in learning_model.trainable_variables])
+  keras_model.compile(loss=task.loss_fn())
+  eval_loss = keras_model.evaluate(features, labels, verbose=0)
+  np.testing.assert_allclose(eval_loss, cross_entropy + penalty, rtol=1e-5)
+  assert penalty > 1e-3 * cross_entropy  # the check can tell them apart
 
 
 def test_serving_preprocess_takes_raw_images():
