@@ -15,9 +15,9 @@ experiments/scaffold_digits.py). Checked:
     at one step eta = 0.3 for both, K = 5 vs 25, after DRIFT_ROUNDS = 100
     rounds: FedAvg's loss at K = 25 is at least 20% above its loss at K = 5
     (measured: 1.459 vs 0.917), SCAFFOLD's at most 2% above (measured:
-    0.7388 vs 0.7393, both near the regularized optimum, about 0.733; numpy
-    simulations of the same setting, seeds 0 and 1: FedAvg 1.44-1.47 vs
-    0.91-0.92, SCAFFOLD 0.739-0.740 vs 0.736-0.737);
+    0.7388 vs 0.7393, both near the regularized optimum, about 0.733;
+    numpy simulations of the same setting outside the repository, seeds 0
+    and 1: FedAvg 1.44-1.47 vs 0.91-0.92, SCAFFOLD 0.739-0.740 vs 0.736);
   - a SCAFFOLD run with --client_state_store=sqlite stopped after 3 rounds and
     resumed to 6 ends with exactly (bit for bit) the model and c of the
     uninterrupted run;
