@@ -363,7 +363,9 @@ def build_task(config: base.DataConfig) -> base.Task:
                       tower_floats(embedding_dim))
     return collections.OrderedDict(
         flops=flops, touched_rows=touched_rows, model_floats=model_floats,
-        full_model_floats=tf.constant(float(full_model_floats)))
+        full_model_floats=tf.constant(float(full_model_floats)),
+        # The central loss (spreadout) reads the table only.
+        central_gradient_floats=touched_rows * embedding_dim)
 
   def top_movies(scores):
     top = tf.math.top_k(scores, RECALL_K)

@@ -353,17 +353,18 @@ UPLOAD_BYTES = MODEL_BYTES + 4 + 8 + 16
 
 
 def test_communication_metrics(pt, one_way_gt, two_way_gt):
-  expected = {  # name: (down, up)
-      'pt': (pt, MODEL_BYTES, UPLOAD_BYTES),
+  expected = {  # name: (down, up, augmenting gradient's part of down)
+      'pt': (pt, MODEL_BYTES, UPLOAD_BYTES, 0),
       # Gradient transfer doubles the download.
-      '1wgt': (one_way_gt, 2 * MODEL_BYTES, UPLOAD_BYTES),
+      '1wgt': (one_way_gt, 2 * MODEL_BYTES, UPLOAD_BYTES, MODEL_BYTES),
       # 2-w GT adds only K_i (a float32) to the upload, no gradient.
-      '2wgt': (two_way_gt, 2 * MODEL_BYTES, UPLOAD_BYTES + 4),
+      '2wgt': (two_way_gt, 2 * MODEL_BYTES, UPLOAD_BYTES + 4, MODEL_BYTES),
   }
-  for name, (algorithm, down, up) in expected.items():
+  for name, (algorithm, down, up, augmenting) in expected.items():
     _, _, metrics = run_round(algorithm, initial_state(algorithm))
     assert metrics['communication'] == collections.OrderedDict(
-        bytes_down_per_client=down, bytes_up_per_client=up), name
+        bytes_down_per_client=down, bytes_up_per_client=up,
+        augmenting_bytes_down_per_client=augmenting), name
 
 
 def test_baseline_communication_bytes():

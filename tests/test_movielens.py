@@ -239,6 +239,7 @@ def test_client_cost_counts_touched_rows_and_flops(fixture_tasks, on_clients):
   assert float(cost['full_model_floats']) == full
   assert float(cost['model_floats']) == (full if on_clients else
                                          6 * d + d * d + d)
+  assert float(cost['central_gradient_floats']) == 6 * d
 
 
 def test_costs_replace_whole_model_copies_by_the_touched_rows():
@@ -251,13 +252,21 @@ def test_costs_replace_whole_model_copies_by_the_touched_rows():
           bytes_up_per_client=tf.constant(4000 + 12, tf.int64)))
   costs = collections.OrderedDict(
       flops=tf.constant(5.0), touched_rows=tf.constant(25.0),
-      model_floats=tf.constant(sparse), full_model_floats=tf.constant(full))
+      model_floats=tf.constant(sparse), full_model_floats=tf.constant(full),
+      central_gradient_floats=tf.constant(60.0))
   train = communication.with_client_costs(metrics, costs)['train']
   assert float(train['client_floats_down']) == 2 * sparse + 2
   assert float(train['client_floats_up']) == sparse + 3
   assert float(train['client_comm_floats']) == 3 * sparse + 5
   assert float(train['client_flops']) == 5.0
   assert float(train['loss']) == 1.0
+  # GT: one of the two copies down is the augmenting gradient, counted at its
+  # own sparse size (the rows of the variables the central loss reads).
+  metrics['communication']['augmenting_bytes_down_per_client'] = tf.constant(
+      4000, tf.int64)
+  train = communication.with_client_costs(metrics, costs)['train']
+  assert float(train['client_floats_down']) == sparse + 60 + 2
+  assert float(train['client_floats_up']) == sparse + 3
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(REAL_MOVIELENS_DIR,
@@ -349,11 +358,12 @@ def test_mixed_clients_compute_and_send_far_less(one_round_runs):
     rows = mixed['train/client_touched_rows']
     assert rows < movielens.SYNTHETIC_MOVIES
     assert mixed['train/client_flops'] < 0.5 * baseline['train/client_flops']
-    # PT sends the touched rows down; GT adds their augmenting gradient.
-    copies_down = 1 if name == 'mixed_pt' else 2
+    # PT sends the touched rows down; GT adds their augmenting gradient
+    # (table rows only: the spreadout does not read the dense layer).
     sparse = rows * d + d * d + d
+    augmenting = 0 if name == 'mixed_pt' else rows * d
     assert mixed['train/client_floats_down'] == pytest.approx(
-        copies_down * sparse, abs=10)
+        sparse + augmenting, abs=10)
     assert mixed['train/client_floats_up'] == pytest.approx(sparse, abs=10)
 
 
@@ -372,9 +382,10 @@ def test_cli_run_applies_the_paper_defaults(tmp_path):
                  'train/client_flops', 'central/loss'):
     assert float(row[column]) >= 0
   # 1-w GT sends the touched rows and their augmenting gradient down.
-  touched_model = float(row['train/client_touched_rows']) * 4 + 4 * 4 + 4
+  touched_rows = float(row['train/client_touched_rows'])
   assert float(row['train/client_floats_down']) == pytest.approx(
-      2 * touched_model, abs=10)
+      (touched_rows * 4 + 4 * 4 + 4) + touched_rows * 4, abs=10)
+  assert float(row['communication/augmenting_bytes_down_per_client']) > 0
   import json  # pylint: disable=g-import-not-at-top
   with open(tmp_path / 'ml' / 'hparams.json') as f:
     hparams = json.load(f)

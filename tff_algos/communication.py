@@ -14,6 +14,7 @@ dense accounting above (docs/movielens.md).
 """
 
 import collections
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -37,19 +38,31 @@ def type_bytes(value_type: tff.Type) -> int:
   raise ValueError(f'cannot size a value of type {value_type}')
 
 
-def metrics(bytes_down: int, bytes_up: int) -> collections.OrderedDict:
-  """The round's communication metrics (the native runtime's value)."""
-  return collections.OrderedDict(
+def metrics(bytes_down: int, bytes_up: int,
+            augmenting_bytes_down: Optional[int] = None
+            ) -> collections.OrderedDict:
+  """The round's communication metrics (the native runtime's value).
+
+  `augmenting_bytes_down`: the part of `bytes_down` that is mixed FL's
+  augmenting gradient (0 for PT); None for algorithms without one.
+  """
+  result = collections.OrderedDict(
       bytes_down_per_client=np.int64(bytes_down),
       bytes_up_per_client=np.int64(bytes_up))
+  if augmenting_bytes_down is not None:
+    result['augmenting_bytes_down_per_client'] = np.int64(
+        augmenting_bytes_down)
+  return result
 
 
-def metrics_at_server(bytes_down: int, bytes_up: int):
+def metrics_at_server(bytes_down: int, bytes_up: int,
+                      augmenting_bytes_down: Optional[int] = None):
   """The round's communication metrics, placed at the server.
 
   Call inside a `tff.federated_computation`.
   """
-  return tff.federated_value(metrics(bytes_down, bytes_up), tff.SERVER)
+  return tff.federated_value(
+      metrics(bytes_down, bytes_up, augmenting_bytes_down), tff.SERVER)
 
 
 # --- Analytic per-client costs of tasks with sparse embedding rows -----------
@@ -63,6 +76,10 @@ CLIENT_COST_FIELDS = (
     'model_floats',       # floats of ONE copy of the model as the client
                           # needs it (touched rows + the other weights)
     'full_model_floats',  # floats of one dense copy of the model
+    'central_gradient_floats',  # floats of ONE augmenting gradient as the
+                                # client needs it: its touched rows of the
+                                # variables the central loss reads (the
+                                # gradient is zero on all others)
 )
 
 
@@ -75,7 +92,10 @@ def with_client_costs(metrics, costs):
   client weight, optimizer hyperparameters) is far smaller than a model.
   Each whole copy is then counted at the size the client needs: the rows its
   data touches (papers/002 Table 5: 2*n*d for PT, 3*n*d for GT) or, if the
-  client loss needs the full table, all of it (2*N*d for the baseline).
+  client loss needs the full table, all of it (2*N*d for the baseline). The
+  augmenting gradient is counted apart, at `central_gradient_floats`: it is
+  zero on the variables the central loss does not read (movielens: all but
+  the embedding table), which a sparse implementation does not send.
   """
   costs = dict(costs)
   added = collections.OrderedDict(
@@ -87,9 +107,16 @@ def with_client_costs(metrics, costs):
     for direction in ('down', 'up'):
       dense_floats = tf.cast(
           communication[f'bytes_{direction}_per_client'], tf.float32) / 4.0
+      floats = 0.0
+      augmenting_bytes = communication.get('augmenting_bytes_down_per_client')
+      if direction == 'down' and augmenting_bytes is not None:
+        augmenting_floats = tf.cast(augmenting_bytes, tf.float32) / 4.0
+        dense_floats -= augmenting_floats
+        floats = (tf.round(augmenting_floats / full_floats) *
+                  costs['central_gradient_floats'])
       copies = tf.round(dense_floats / full_floats)
-      floats = copies * costs['model_floats'] + (dense_floats -
-                                                 copies * full_floats)
+      floats += copies * costs['model_floats'] + (dense_floats -
+                                                  copies * full_floats)
       added[f'client_floats_{direction}'] = floats
       total += floats
     added['client_comm_floats'] = total

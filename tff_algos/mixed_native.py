@@ -26,7 +26,7 @@ class MixedRounds:
                client_optimizer: tff.learning.optimizers.Optimizer,
                server_optimizer: tff.learning.optimizers.Optimizer,
                central_optimizer, merge_optimizer, central_loss,
-               metric_finalizers, communication_bytes: tuple[int, int]):
+               metric_finalizers, communication_bytes: tuple[int, int, int]):
     self._name = name
     self._settings = settings
     # One model for the clients (metrics reset per client, as TFF builds a

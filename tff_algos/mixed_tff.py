@@ -184,10 +184,12 @@ def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableMo
     return mixed_tf.client_work(settings, model_fn(), client_optimizer,
                                 payload, dataset)
 
-  # (down, up) per client: the broadcast payload, and the upload.
+  # (down, up, the augmenting gradient's part of down) per client: the
+  # broadcast payload, the upload.
   communication_bytes = (
       communication.type_bytes(payload_type),
-      communication.type_bytes(client_work.type_signature.result.upload))
+      communication.type_bytes(client_work.type_signature.result.upload),
+      communication.type_bytes(trainable_type) if transfers_gradients else 0)
 
   @tff.tensorflow.computation(data_type)
   def no_client_state(dataset):
