@@ -103,12 +103,12 @@ def with_client_costs(metrics, costs):
   communication = metrics.get('communication')
   if communication is not None:
     full_floats = costs['full_model_floats']
+    augmenting_bytes = communication.get('augmenting_bytes_down_per_client')
     total = 0.0
     for direction in ('down', 'up'):
       dense_floats = tf.cast(
           communication[f'bytes_{direction}_per_client'], tf.float32) / 4.0
       floats = 0.0
-      augmenting_bytes = communication.get('augmenting_bytes_down_per_client')
       if direction == 'down' and augmenting_bytes is not None:
         augmenting_floats = tf.cast(augmenting_bytes, tf.float32) / 4.0
         dense_floats -= augmenting_floats
