@@ -56,11 +56,13 @@ def require_flags(*names: str) -> None:
                      ', '.join(f'--{name}' for name in missing))
 
 
-def check_flags_apply(algorithm_name: str, accepted: tuple[str, ...],
-                      algorithm_flags: tuple[str, ...]) -> None:
-  """An algorithm flag set on the command line must be one the algorithm uses."""
-  for name in algorithm_flags:
+def check_flags_apply(owner: str, accepted: tuple[str, ...],
+                      candidates: tuple[str, ...]) -> None:
+  """Each of `candidates` set on the command line must be one `owner` (e.g.
+  'algorithm=fedavg', 'task=digits') uses: a flag it would ignore is an error,
+  not a silent no-op."""
+  for name in candidates:
     if flags.FLAGS[name].present and name not in accepted:
       allowed = ', '.join(f'--{n}' for n in accepted) or 'none'
-      raise UsageError(f'--{name} does not apply to --algorithm='
-                       f'{algorithm_name} (its flags: {allowed})')
+      raise UsageError(f'--{name} does not apply to --{owner} '
+                       f'(its flags: {allowed})')

@@ -4,10 +4,12 @@ from typing import Any, Callable, Optional, Union
 
 from absl import flags
 
+from binaries import app
 from pipeline import client_store
 from pipeline import tff_runtime
 from pipeline.errors import UsageError
 from tasks import base as task_base
+from tasks import registry as task_registry
 from tff_algos import config as algo_config
 
 # Experiment.
@@ -308,26 +310,21 @@ def data_config() -> task_base.DataConfig:
       options=_task_options())
 
 
+# Flags passed to tasks as DataConfig.options; each task says which it reads.
+TASK_OPTION_FLAGS = (
+    'celeba_mode', 'movielens_dir', 'heterogeneity', 'model_width',
+    'emnist_only_digits', 'spreadout_on_clients', 'spreadout_weight', 'model',
+    'num_clients', 'similarity', 'dirichlet_alpha', 'l2_regularization',
+    'char_embedding_dim', 'gru_units', 'word_vocab_size', 'max_eval_sequences',
+    'movielens_embedding_dim', 'movielens_context_length')
+
+
 def _task_options() -> dict:
-  """Task options; those left unset take each task's own default."""
-  options = {'celeba_mode': FLAGS.celeba_mode,
-             'movielens_dir': FLAGS.movielens_dir,
-             'heterogeneity': FLAGS.heterogeneity,
-             'model_width': FLAGS.model_width,
-             'emnist_only_digits': FLAGS.emnist_only_digits,
-             'spreadout_on_clients': FLAGS.spreadout_on_clients,
-             'spreadout_weight': FLAGS.spreadout_weight}
-  if FLAGS.l2_regularization is not None and FLAGS.task != 'digits':
-    raise UsageError('--l2_regularization applies to --task=digits only, not '
-                     f'--task={FLAGS.task}')
-  for name in ('model', 'num_clients', 'similarity', 'dirichlet_alpha',
-               'l2_regularization',
-               'char_embedding_dim', 'gru_units', 'word_vocab_size',
-               'max_eval_sequences', 'movielens_embedding_dim',
-               'movielens_context_length'):
-    if FLAGS[name].value is not None:
-      options[name] = FLAGS[name].value
-  return options
+  """Task options; those left unset (None) take each task's own default."""
+  app.check_flags_apply(f'task={FLAGS.task}',
+                        task_registry.options(FLAGS.task), TASK_OPTION_FLAGS)
+  return {name: FLAGS[name].value for name in TASK_OPTION_FLAGS
+          if FLAGS[name].value is not None}
 
 
 def apply_built_task_defaults(task: task_base.Task) -> None:

@@ -50,7 +50,7 @@ def main(argv):
       FLAGS.algorithm, task.model_fn,
       flags_lib.algorithm_config(task.num_train_clients,
                                  task.central_loss_fn), task=task)
-  app.check_flags_apply(FLAGS.algorithm, algorithm.flag_names,
+  app.check_flags_apply(f'algorithm={FLAGS.algorithm}', algorithm.flag_names,
                         flags_lib.ALGORITHM_FLAGS)
   hparams = flags_lib.all_values()
   # Which values came from the task's defaults rather than the command line.

@@ -23,6 +23,9 @@ import tensorflow_federated as tff
 from pipeline.errors import UsageError
 from tasks import base
 
+# Keys of `DataConfig.options` this task reads (registry.options).
+OPTIONS = ('celeba_mode',)
+
 IMAGE_SHAPE = (84, 84, 3)
 LABEL = 'smiling'
 MODES = ('mixed', 'fl_only', 'oracle', 'federated')

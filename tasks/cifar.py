@@ -32,6 +32,9 @@ from tasks import cifar_models
 from tasks import client_database
 from tasks import dirichlet
 
+# Keys of `DataConfig.options` this task reads (registry.options).
+OPTIONS = ('num_clients', 'dirichlet_alpha', 'model', 'model_width')
+
 IMAGE_SHAPE = cifar_models.IMAGE_SHAPE
 CROP_PADDING = 4
 DEFAULT_NUM_CLIENTS = 10

@@ -30,6 +30,9 @@ from pipeline.errors import UsageError
 from tasks import base
 from tasks import partition
 
+# Keys of `DataConfig.options` this task reads (registry.options).
+OPTIONS = ('model', 'num_clients', 'similarity', 'l2_regularization')
+
 IMAGE_SIZE = 8
 NUM_PIXELS = IMAGE_SIZE * IMAGE_SIZE
 NUM_CLASSES = 10

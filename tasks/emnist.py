@@ -29,6 +29,10 @@ from tasks import base
 from tasks import client_database
 from tasks import partition
 
+# Keys of `DataConfig.options` this task reads (registry.options).
+OPTIONS = ('num_clients', 'similarity', 'model', 'emnist_only_digits',
+           'model_width')
+
 IMAGE_SHAPE = (28, 28)
 NUM_PIXELS = 28 * 28
 SQLITE_NAME = 'emnist_all.sqlite'

@@ -30,6 +30,9 @@ from tasks import base
 from tasks import client_arrays
 from tasks import residual
 
+# Keys of `DataConfig.options` this task reads (registry.options).
+OPTIONS = ('heterogeneity',)
+
 # fedres_toy.
 TOY_INIT_STDDEV = float(np.sqrt(0.1))
 _TOY_X = np.array([[1, 1, 1, 0],   # client 1: x_g = (1, 1), x_l = (1, 0)

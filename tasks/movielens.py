@@ -57,6 +57,11 @@ from tasks import base
 from tasks import client_arrays
 from tasks import movielens_files
 
+# Keys of `DataConfig.options` this task reads (registry.options).
+OPTIONS = ('movielens_dir', 'movielens_embedding_dim',
+           'movielens_context_length', 'spreadout_on_clients',
+           'spreadout_weight')
+
 PAD_ID = 0
 EMBEDDING_DIM = 16
 CONTEXT_LENGTH = 10

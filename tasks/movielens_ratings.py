@@ -25,6 +25,9 @@ from tasks import client_arrays
 from tasks import movielens_files
 from tasks import residual
 
+# Keys of `DataConfig.options` this task reads (registry.options).
+OPTIONS = ('movielens_dir',)
+
 RATINGS_FILE = movielens_files.ML_100K_RATINGS
 MOVIES_FILE = 'u.item'
 NUM_GENRES = 19

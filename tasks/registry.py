@@ -14,24 +14,40 @@ from tasks import movielens_ratings
 from tasks import stackoverflow_char
 from tasks import stackoverflow_word
 
-_BUILDERS: dict[str, Callable[[base.DataConfig], base.Task]] = {
-    'celeba_smile': celeba.build_task,
-    'cifar10': cifar.build_cifar10,
-    'cifar100': cifar.build_cifar100,
-    'digits': digits.build_task,
-    'emnist': emnist.build_task,
-    'fedres_toy': fedres_synthetic.build_toy_task,
-    'fedres_logistic': fedres_synthetic.build_logistic_task,
-    'movielens': movielens.build_task,
-    'movielens_ratings': movielens_ratings.build_task,
-    'stackoverflow_char': stackoverflow_char.build_task,
-    'stackoverflow_word': stackoverflow_word.build_task,
+# name -> (builder, the keys of DataConfig.options it reads)
+_TASKS: dict[str, tuple[Callable[[base.DataConfig], base.Task],
+                        tuple[str, ...]]] = {
+    'celeba_smile': (celeba.build_task, celeba.OPTIONS),
+    'cifar10': (cifar.build_cifar10, cifar.OPTIONS),
+    'cifar100': (cifar.build_cifar100, cifar.OPTIONS),
+    'digits': (digits.build_task, digits.OPTIONS),
+    'emnist': (emnist.build_task, emnist.OPTIONS),
+    'fedres_toy': (fedres_synthetic.build_toy_task, fedres_synthetic.OPTIONS),
+    'fedres_logistic': (fedres_synthetic.build_logistic_task,
+                        fedres_synthetic.OPTIONS),
+    'movielens': (movielens.build_task, movielens.OPTIONS),
+    'movielens_ratings': (movielens_ratings.build_task,
+                          movielens_ratings.OPTIONS),
+    'stackoverflow_char': (stackoverflow_char.build_task,
+                           stackoverflow_char.OPTIONS),
+    'stackoverflow_word': (stackoverflow_word.build_task,
+                           stackoverflow_word.OPTIONS),
 }
-NAMES = tuple(_BUILDERS)
+NAMES = tuple(_TASKS)
+
+
+def _check_known(name: str) -> None:
+  if name not in _TASKS:
+    raise UsageError(f'--task={name!r} is unknown; allowed: {", ".join(NAMES)}')
+
+
+def options(name: str) -> tuple[str, ...]:
+  """The task options (DataConfig.options keys) task `name` reads."""
+  _check_known(name)
+  return _TASKS[name][1]
 
 
 def build_task(name: str, config: base.DataConfig) -> base.Task:
-  if name not in _BUILDERS:
-    raise UsageError(f'--task={name!r} is unknown; allowed: {", ".join(NAMES)}')
+  _check_known(name)
   config.validate()
-  return _BUILDERS[name](config)
+  return _TASKS[name][0](config)

@@ -46,6 +46,9 @@ from tensorflow_federated.python.simulation.baselines import keras_metrics
 from pipeline.errors import UsageError
 from tasks import base
 
+# Keys of `DataConfig.options` this task reads (registry.options).
+OPTIONS = ('char_embedding_dim', 'gru_units', 'max_eval_sequences')
+
 SEQUENCE_LENGTH = 100
 PAD = 0
 _FIRST_PRINTABLE = 32  # ' '

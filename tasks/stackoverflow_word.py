@@ -37,6 +37,9 @@ from pipeline.errors import UsageError
 from tasks import base
 from tasks import stackoverflow_char
 
+# Keys of `DataConfig.options` this task reads (registry.options).
+OPTIONS = ('word_vocab_size', 'max_eval_sequences', 'model_width')
+
 _BASELINE = tff.simulation.baselines.stackoverflow
 SEQUENCE_LENGTH = _BASELINE.DEFAULT_SEQUENCE_LENGTH
 DEFAULT_VOCAB_SIZE = _BASELINE.DEFAULT_WORD_VOCAB_SIZE

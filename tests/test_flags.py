@@ -1,11 +1,15 @@
 """Flag validation that needs no training run."""
 
+import inspect
+import re
+
 import pytest
 from absl import flags
 
 from binaries import app
 from binaries import flags_lib
 from pipeline.errors import UsageError
+from tasks import registry as task_registry
 
 
 @pytest.fixture
@@ -22,13 +26,13 @@ def test_flag_that_does_not_apply_is_rejected(parsed_flags):
   parsed_flags('--scaffold_option=1')
   with pytest.raises(UsageError, match='--scaffold_option does not apply to '
                      '--algorithm=fedavg'):
-    app.check_flags_apply('fedavg', ('client_learning_rate',),
+    app.check_flags_apply('algorithm=fedavg', ('client_learning_rate',),
                           flags_lib.ALGORITHM_FLAGS)
 
 
 def test_flags_left_at_default_are_fine(parsed_flags):
   parsed_flags('--client_learning_rate=0.1')
-  app.check_flags_apply('fedavg', ('client_learning_rate',),
+  app.check_flags_apply('algorithm=fedavg', ('client_learning_rate',),
                         flags_lib.ALGORITHM_FLAGS)
 
 
@@ -44,3 +48,29 @@ def test_hparams_hold_every_flag(parsed_flags):
   assert values['total_rounds'] == 7
   for name in flags_lib.ALGORITHM_FLAGS:
     assert name in values
+
+
+def test_task_option_the_task_does_not_read_is_rejected(parsed_flags):
+  parsed_flags('--task=celeba_smile', '--similarity=0.5')
+  with pytest.raises(UsageError, match='--similarity does not apply to '
+                     '--task=celeba_smile'):
+    flags_lib.data_config()
+
+
+def test_task_options_the_task_reads_pass_through(parsed_flags):
+  parsed_flags('--task=digits', '--similarity=0.5', '--num_clients=7')
+  options = flags_lib.data_config().options
+  assert options['similarity'] == 0.5 and options['num_clients'] == 7
+  assert 'celeba_mode' not in task_registry.options('digits')
+
+
+@pytest.mark.parametrize('task', task_registry.NAMES)
+def test_declared_task_options_are_the_option_flags_the_task_reads(task):
+  """registry.options(task) must match the option flags its module reads, or
+  a flag it uses would be rejected (or one it ignores accepted)."""
+  module = inspect.getmodule(task_registry._TASKS[task][0])
+  source = inspect.getsource(module)
+  read = set(re.findall(
+      r"(?:options\.get\(|positive_option\(\s*options,)\s*'(\w+)'", source))
+  assert read & set(flags_lib.TASK_OPTION_FLAGS) == set(
+      task_registry.options(task))
