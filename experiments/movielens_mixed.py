@@ -15,7 +15,8 @@ of the baseline's, at least 90% less client computation and communication).
 
   python experiments/movielens_mixed.py \
       --movielens_dir=../shared/data/movielens-100k \
-      --root_output_dir=/tmp/movielens_mixed --total_rounds=100
+      --root_output_dir=/tmp/movielens_mixed --total_rounds=200 \
+      --rounds_per_eval=20 --clients_per_round=20
 
 Runs that already have a checkpoint resume (same flags, more rounds); runs
 already at or past --total_rounds are not trained again, and every run is
