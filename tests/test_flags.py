@@ -68,7 +68,7 @@ def test_task_options_the_task_reads_pass_through(parsed_flags):
 def test_declared_task_options_are_the_option_flags_the_task_reads(task):
   """registry.options(task) must match the option flags its module reads, or
   a flag it uses would be rejected (or one it ignores accepted)."""
-  module = inspect.getmodule(task_registry._TASKS[task][0])
+  module = inspect.getmodule(task_registry._BUILDERS[task])
   source = inspect.getsource(module)
   read = set(re.findall(
       r"(?:options\.get\(|positive_option\(\s*options,)\s*'(\w+)'", source))

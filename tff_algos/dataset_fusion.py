@@ -11,10 +11,10 @@ computations into one, so this module does that for the one chain that
 matters here: every client-side TF computation that consumes the datasets
 (directly, or inside a `federated_zip` with other client values, or picked
 out of one) becomes one TF computation that takes the dataset computation's
-input instead and builds the dataset in its own graph. The pipeline is the same seeded graph, so the
-elements are the same; a dataset consumed twice (e.g. by the client update
-and by the cost metrics) is built twice, as the second pass over a dataset
-value rebuilt it before.
+input instead and builds the dataset in its own graph. The pipeline is the
+same seeded graph, so the elements are the same; a dataset consumed twice
+(e.g. by the client update and by the cost metrics) is built twice, as the
+second pass over a dataset value rebuilt it before.
 
 TFF's static graph optimizer (its memory optimizer's recomputation
 heuristics with function inlining) fails on the fused graphs and logs one
