@@ -1,0 +1,78 @@
+"""What the algorithms on a `tff.learning.models.VariableModel` share.
+
+FedAvg, FedProx, FedSGD, SCAFFOLD/FedPVR and mixed FL train the task's
+model as a `tff.learning` VariableModel: they read its shapes and metric
+finalizers once (`ModelInfo`), start the server from its weights, and report
+the clients' metrics summed then finalized, as tff.learning does.
+"""
+
+import collections
+import dataclasses
+from typing import Any, Callable
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+ModelWeights = tff.learning.models.ModelWeights
+ModelFn = Callable[[], tff.learning.models.VariableModel]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+  """A model's variables and metrics, read from one probe instance."""
+  variable_names: tuple[str, ...]  # Trainable variables, in model order.
+  trainable_specs: tuple[tf.TensorSpec, ...]
+  non_trainable_specs: tuple[tf.TensorSpec, ...]
+  metric_finalizers: Any
+
+
+def model_info(model_fn: ModelFn) -> ModelInfo:
+  with tf.Graph().as_default():
+    probe = model_fn()
+    return ModelInfo(
+        variable_names=tuple(v.name for v in probe.trainable_variables),
+        trainable_specs=tuple(tf.TensorSpec(v.shape, v.dtype)
+                              for v in probe.trainable_variables),
+        non_trainable_specs=tuple(tf.TensorSpec(v.shape, v.dtype)
+                                  for v in probe.non_trainable_variables),
+        metric_finalizers=probe.metric_finalizers())
+
+
+def initial_weights(model_fn: ModelFn) -> ModelWeights:
+  """The weights of a freshly built model (the driver then sets its own)."""
+  weights = ModelWeights.from_model(model_fn())
+  return ModelWeights(
+      trainable=[tf.identity(v.read_value()) for v in weights.trainable],
+      non_trainable=[tf.identity(v.read_value())
+                     for v in weights.non_trainable])
+
+
+def assign_weights(model: tff.learning.models.VariableModel,
+                   weights: ModelWeights) -> ModelWeights:
+  """Sets the model's variables to `weights`; returns them as variables."""
+  variables = ModelWeights.from_model(model)
+  tf.nest.map_structure(lambda v, t: v.assign(t), variables, weights)
+  return variables
+
+
+def finalize_metrics(metric_finalizers, summed_metrics):
+  """`tff.learning.metrics.sum_then_finalize`'s finalization of the sums."""
+  if callable(metric_finalizers):
+    return _in_context(metric_finalizers)(summed_metrics)
+  return collections.OrderedDict(
+      (name, _in_context(finalizer)(summed_metrics[name]))
+      for name, finalizer in metric_finalizers.items())
+
+
+def _in_context(finalizer):
+  # A Keras metric's finalizer is a tf.function that builds a fresh metric
+  # (variables) per call: fine once in a TFF computation's graph, refused
+  # when called again and again eagerly (the native runtime); there its
+  # Python function runs instead.
+  if tf.executing_eagerly():
+    return getattr(finalizer, 'python_function', finalizer)
+  return finalizer
+
+
+def specs_bytes(specs) -> int:
+  return sum(int(s.shape.num_elements()) * s.dtype.size for s in specs)

@@ -1,0 +1,149 @@
+"""What an algorithm declares about its round, once, for every runtime.
+
+An algorithm is a `RoundDefinition`: plain TF functions for the server's
+initial state, what the server broadcasts, one client's update, the server's
+update and, for mixed FL, the central work at the server; plus what each
+client keeps (its persistent state) and what it sends. Nothing here knows
+about placements. Two interpreters run a definition:
+
+- `tff_algos.runtime.tff_process` builds a TFF process: the server state and
+  round inputs at SERVER, the sampled clients (in groups) at CLIENTS, the
+  broadcast, the per-client work (each client's data built and its state read
+  and written inside its own computation), the aggregation through a
+  `tff.aggregators` factory, and the server update;
+- `tff_algos.runtime.native` runs the same functions in-process (the
+  `--runtime=native` path, a GPU when TF sees one).
+
+A round, as both interpret it:
+
+  central     = central.run(state, central_data)          (if any; before the
+                                                            clients when the
+                                                            broadcast needs it)
+  message     = broadcast(state, central)                  at the server
+  per client  : result = client_update(context, message, dataset, state_i)
+                state_i <- result.state                     (on the client)
+  aggregates  = model_update: mean of result.model_update weighted by
+                              result.weight (the model aggregator: a
+                              tff.aggregators factory, default the mean)
+                sums:         sum over the cohort of every result.sums and
+                              result.measurements entry (in the clear)
+                num_clients, weight_sum
+  state, m    = server_update(state, aggregates, central)
+  metrics     = train: finalize_metrics(sum of result.metrics), m, ...
+
+Conventions: a server state is an OrderedDict whose `global_model_weights`
+entry is the global model (`tff.learning.models.ModelWeights`); every value
+is a structure of tensors of fixed shapes.
+"""
+
+import collections
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+GLOBAL_MODEL = 'global_model_weights'
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientResult:
+  """What one client's update returns (TF values)."""
+  # Aggregated by the model aggregator, weighted by `weight`.
+  model_update: Any
+  # p_i: examples processed, or 1 under uniform weighting (float32).
+  weight: tf.Tensor
+  # Summed over the cohort in the clear: name -> structure.
+  sums: Mapping[str, Any]
+  # Unfinalized metric sums of this client (summed over the cohort).
+  metrics: Any
+  # Summed like `sums`, but measurements of the simulation that a deployed
+  # client would not send (e.g. drift diversity's norms): not counted in the
+  # communication metrics.
+  measurements: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # The client's new persistent state; None when the algorithm keeps none.
+  state: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CentralWork:
+  """Work at the server on central data (mixed FL), once per round.
+
+  `run(server_state, central_data) -> result` where `central_data` is the
+  round's central batches (None for a data-free central loss). With
+  `before_clients` its result is part of what the server broadcasts (1-w GT's
+  central gradient), so it runs before the clients; otherwise it runs with
+  the server update, after the aggregation.
+  """
+  run: Callable[[Any, Optional[tf.data.Dataset]], Any]
+  before_clients: bool
+  uses_data: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Personalization:
+  """Evaluation and export of personal models kept in client states.
+
+  Both receive the Python server state and a read-only view of the committed
+  client states (`tff_algos.runtime.client_states.ClientStates`).
+  """
+  # (server_state, client_states) -> {metric name: value}.
+  evaluate: Callable[[Any, Any], Mapping[str, float]]
+  # (server_state, client_states, export_dir): writes the personal models
+  # (and how to serve them) next to the exported global model.
+  export: Callable[[Any, Any, str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundDefinition:
+  """One algorithm's round (see the module docstring)."""
+  name: str
+  # The algorithm's typed settings (a frozen dataclass).
+  settings: Any
+  # () -> server state (TF, run once; the global model is then replaced by
+  # the driver's seeded initial weights).
+  initial_server_state: Callable[[], Any]
+  # (server_state, central result or None) -> message (TF).
+  broadcast: Callable[[Any, Any], Any]
+  # () -> client context: the models and variables a client computation
+  # needs, built once per computation and reused by every client of a group.
+  client_context: Callable[[], Any]
+  # (context, message, dataset, client_state or None) -> ClientResult (TF).
+  client_update: Callable[[Any, Any, tf.data.Dataset, Any], ClientResult]
+  # (context) -> None: resets per-client accumulators (e.g. Keras metrics)
+  # before each client of a group.
+  reset_client: Callable[[Any], None]
+  # (server_state, aggregates, central result or None)
+  #   -> (server_state, metrics) (TF).
+  server_update: Callable[[Any, Mapping[str, Any], Any], tuple[Any, Any]]
+  # (summed unfinalized metrics) -> train metrics (TF).
+  finalize_metrics: Callable[[Any], Any]
+  # () -> the initial state of a never-sampled client (TF); None when the
+  # algorithm keeps no client state.
+  initial_client_state: Optional[Callable[[], Any]] = None
+  central: Optional[CentralWork] = None
+  personalization: Optional[Personalization] = None
+  # The key of the message that is an augmenting gradient (mixed FL's
+  # gradient transfer), reported apart in the communication metrics.
+  augmenting_message: Optional[str] = None
+
+  @property
+  def has_client_state(self) -> bool:
+    return self.initial_client_state is not None
+
+  @property
+  def uses_server_data(self) -> bool:
+    return self.central is not None and self.central.uses_data
+
+
+def get_model_weights(server_state):
+  return server_state[GLOBAL_MODEL]
+
+
+def set_model_weights(server_state, weights):
+  state = collections.OrderedDict(server_state)
+  state[GLOBAL_MODEL] = tff.learning.models.ModelWeights(
+      trainable=[np.asarray(w) for w in weights.trainable],
+      non_trainable=[np.asarray(w) for w in weights.non_trainable])
+  return state

@@ -1,0 +1,107 @@
+"""Typed, frozen settings of the algorithms, and the fields they share.
+
+Each algorithm has a frozen dataclass of its settings; its fields are the
+algorithm's command-line flags (same names), their help text and their
+validation, and `hparams.json` records them. Adding a setting is one field
+(and its use). A field several algorithms share is defined once here.
+
+Validation raises `SettingError`, a `ValueError` naming the setting; the
+binaries turn it into the one-line `error: --<name> ...`.
+"""
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+import tensorflow_federated as tff
+
+OPTIMIZERS = ('sgd', 'sgdm', 'adam', 'yogi', 'adagrad', 'rmsprop')
+CLIENT_WEIGHTINGS = ('num_examples', 'uniform')
+
+
+class SettingError(ValueError):
+  """An impossible value of one setting."""
+
+  def __init__(self, name: str, problem: str):
+    self.name = name
+    self.problem = problem
+    super().__init__(f'{name} {problem}')
+
+
+def setting(default: Any, help_text: str,
+            choices: Optional[Sequence[Any]] = None) -> Any:
+  """A settings field: its default, flag help and allowed values."""
+  metadata = {'help': help_text}
+  if choices is not None:
+    metadata['choices'] = tuple(choices)
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+# Fields shared by several algorithms (each call makes a fresh field).
+def client_optimizer():
+  return setting('sgd', 'Client optimizer (tff.learning.optimizers).',
+                 OPTIMIZERS)
+
+
+def client_learning_rate():
+  return setting(0.01, 'Client learning rate eta.')
+
+
+def server_optimizer():
+  return setting('sgd', 'Server optimizer (tff.learning.optimizers).',
+                 OPTIMIZERS)
+
+
+def server_learning_rate():
+  return setting(1.0, 'Server learning rate eta_s.')
+
+
+def client_weighting():
+  return setting('num_examples', 'Weights of clients in the mean of the '
+                 'model updates: examples processed or uniform.',
+                 CLIENT_WEIGHTINGS)
+
+
+def check(settings) -> None:
+  """Validates every field: choices, and rates that must be finite and > 0.
+
+  Called from each settings class's __post_init__; classes add their own
+  checks after it.
+  """
+  for field in dataclasses.fields(settings):
+    value = getattr(settings, field.name)
+    choices = field.metadata.get('choices')
+    if choices is not None and value not in choices:
+      raise SettingError(field.name, f'={value!r} is unknown; allowed: '
+                         + ', '.join(str(c) for c in choices))
+    if field.name.endswith('learning_rate'):
+      positive(field.name, value)
+
+
+def positive(name: str, value: float) -> None:
+  if not (math.isfinite(value) and value > 0):
+    raise SettingError(name, f'must be a finite number > 0, got {value}')
+
+
+def non_negative(name: str, value: float) -> None:
+  if not (math.isfinite(value) and value >= 0):
+    raise SettingError(name, f'must be a finite number >= 0, got {value}')
+
+
+def optimizer(name: str, learning_rate: float
+              ) -> tff.learning.optimizers.Optimizer:
+  """The `tff.learning.optimizers` optimizer called `name`."""
+  builders = {
+      'sgd': lambda: tff.learning.optimizers.build_sgdm(learning_rate),
+      'sgdm': lambda: tff.learning.optimizers.build_sgdm(
+          learning_rate, momentum=0.9),
+      'adam': lambda: tff.learning.optimizers.build_adam(learning_rate),
+      'yogi': lambda: tff.learning.optimizers.build_yogi(learning_rate),
+      'adagrad': lambda: tff.learning.optimizers.build_adagrad(learning_rate),
+      'rmsprop': lambda: tff.learning.optimizers.build_rmsprop(learning_rate),
+  }
+  return builders[name]()
+
+
+def as_dict(settings) -> dict[str, Any]:
+  return dataclasses.asdict(settings)

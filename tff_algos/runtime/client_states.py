@@ -1,0 +1,276 @@
+"""Persistent per-client state, read and written where each client runs.
+
+SCAFFOLD/FedPVR's control variates c_i and FedRes's personal models theta_i
+belong to their clients. In a deployment they never leave the device, so
+here they never pass through the Python driver, TFF's aggregation or gRPC
+either: each client's TF computation reads its state from a file by client
+id, trains, and writes its new state to a new file, on whichever worker runs
+it. Only the client id and a version number (a small handle) cross between
+the driver and the runtime each round.
+
+Layout under the store directory (one flag, `--client_state_dir`; remote
+workers need it on a path they share):
+
+  round_<r>/<client id, base64url>.state   the state a client had after
+                                           round r (a serialized list of
+                                           serialized tensors)
+
+Versions are the rounds that wrote them. The driver keeps the *index*: for
+every train client the round of its newest committed state (-1: never
+sampled, so the algorithm's initializer). A round's files become visible by
+committing the round's clients into the index after the round has finished,
+and durable when the index is saved inside the round's checkpoint, together
+with the server state. So:
+- a kill at any moment of a round leaves the last checkpoint intact: files of
+  rounds after it are ignored, and removed at the next start (`recover`),
+  whether they are complete or half written;
+- a resumed run reads exactly the files of the checkpoint's index, so it is
+  bit-identical to an uninterrupted run;
+- files are garbage-collected when no kept checkpoint's index names them
+  (`collect_garbage`), so an older kept checkpoint stays resumable;
+- memory is O(train clients) for the index, whatever the number of clients
+  ever sampled; states are only ever held one client at a time.
+
+Why files rather than a database: TF ops read and write files on any worker
+(`tf.io.read_file` / `write_file`), with no server and no Python in the loop;
+one file per (client, version) needs no locking between concurrent clients,
+and a version is committed by the index, not by the file system.
+"""
+
+import base64
+import logging
+import os
+import re
+import shutil
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+NEVER_WRITTEN = -1
+_ROUND_DIR = re.compile(r'^round_(\d+)$')
+_SUFFIX = '.state'
+
+
+def round_directory(directory: str, round_num: int) -> str:
+  return os.path.join(directory, f'round_{round_num}')
+
+
+def file_name(client_id: str) -> str:
+  """The file name of a client's state: its id in unpadded base64url."""
+  encoded = base64.urlsafe_b64encode(client_id.encode()).decode()
+  return encoded.rstrip('=') + _SUFFIX
+
+
+def client_id_of(name: str) -> Optional[str]:
+  if not name.endswith(_SUFFIX):
+    return None
+  encoded = name[:-len(_SUFFIX)]
+  try:
+    return base64.urlsafe_b64decode(
+        encoded + '=' * (-len(encoded) % 4)).decode()
+  except (ValueError, UnicodeDecodeError):
+    return None
+
+
+class StateFormat:
+  """How one client's state (a structure of fixed-shape tensors) is stored.
+
+  The TF methods run inside a client's computation; the Python ones serve
+  the driver (validation) and in-process readers (FedRes evaluation/export).
+  """
+
+  def __init__(self, directory: str, specs: Any,
+               initial_state_fn: Callable[[], Any]):
+    self.directory = os.path.abspath(directory)
+    self.specs = specs
+    self._flat_specs = tf.nest.flatten(specs)
+    self._initial_state_fn = initial_state_fn
+
+  # ---- TF, inside the client's computation --------------------------------
+
+  def _path(self, client_id: tf.Tensor, version: tf.Tensor) -> tf.Tensor:
+    return tf.strings.join([
+        self.directory, '/round_', tf.strings.as_string(version), '/',
+        tf.io.encode_base64(client_id), _SUFFIX])
+
+  def read(self, client_id: tf.Tensor, version: tf.Tensor):
+    """The client's state of `version`; the initializer's when it is -1."""
+
+    def stored():
+      parts = tf.io.parse_tensor(
+          tf.io.read_file(self._path(client_id, version)), tf.string)
+      leaves = [tf.ensure_shape(tf.io.parse_tensor(parts[i], spec.dtype),
+                                spec.shape)
+                for i, spec in enumerate(self._flat_specs)]
+      return tf.nest.pack_sequence_as(self.specs, leaves)
+
+    def initial():
+      return tf.nest.map_structure(
+          lambda t, s: tf.ensure_shape(tf.cast(t, s.dtype), s.shape),
+          self._initial_state_fn(), self.specs)
+
+    return tf.cond(version >= 0, stored, initial)
+
+  def write(self, client_id: tf.Tensor, version: tf.Tensor, state) -> tf.Operation:
+    parts = tf.stack([tf.io.serialize_tensor(tf.convert_to_tensor(leaf))
+                      for leaf in tf.nest.flatten(state)])
+    # write_file creates the round directory when it is missing.
+    return tf.io.write_file(self._path(client_id, version),
+                            tf.io.serialize_tensor(parts))
+
+  # ---- Python -------------------------------------------------------------
+
+  def file_path(self, client_id: str, version: int) -> str:
+    return os.path.join(round_directory(self.directory, version),
+                        file_name(client_id))
+
+  def load(self, client_id: str, version: int):
+    """A stored state as numpy arrays (or the initial state, version -1)."""
+    if version < 0:
+      return tf.nest.map_structure(np.asarray, self._initial_state_fn())
+    path = self.file_path(client_id, version)
+    parts = tf.io.parse_tensor(tf.io.read_file(path), tf.string)
+    leaves = [tf.io.parse_tensor(parts[i], spec.dtype).numpy()
+              for i, spec in enumerate(self._flat_specs)]
+    return tf.nest.pack_sequence_as(self.specs, leaves)
+
+
+class StateIndex:
+  """Which version of each train client's state is current (driver side)."""
+
+  def __init__(self, client_ids: Sequence[str],
+               versions: Optional[np.ndarray] = None):
+    self.client_ids = tuple(client_ids)
+    self._position = {cid: i for i, cid in enumerate(self.client_ids)}
+    if versions is None:
+      versions = np.full(len(self.client_ids), NEVER_WRITTEN, np.int64)
+    if versions.shape != (len(self.client_ids),):
+      raise ValueError(
+          f'the checkpoint indexes {versions.shape[0]} client states but the '
+          f'task has {len(self.client_ids)} train clients')
+    self.versions = np.array(versions, np.int64)
+
+  def versions_of(self, indices: Sequence[int]) -> np.ndarray:
+    return self.versions[np.asarray(indices, np.int64)]
+
+  def commit(self, indices: Sequence[int], round_num: int) -> None:
+    """The clients at `indices` now have the state round `round_num` wrote."""
+    self.versions[np.asarray(indices, np.int64)] = round_num
+
+  def position(self, client_id: str) -> Optional[int]:
+    return self._position.get(client_id)
+
+  def version(self, client_id: str) -> int:
+    position = self._position.get(client_id)
+    return NEVER_WRITTEN if position is None else int(self.versions[position])
+
+
+class ClientStates:
+  """Read access to the committed states, for in-process readers.
+
+  FedRes's personalized evaluation and export read theta_i through this;
+  `read`, `has_state` and `items` are in client order of the arguments.
+  """
+
+  def __init__(self, state_format: StateFormat, index: StateIndex):
+    self._format = state_format
+    self._index = index
+
+  @property
+  def initial_state(self):
+    return self._format.load('', NEVER_WRITTEN)
+
+  def read(self, client_ids: Sequence[str]) -> list[Any]:
+    return [self._format.load(cid, self._index.version(cid))
+            for cid in client_ids]
+
+  def has_state(self, client_ids: Sequence[str]) -> list[bool]:
+    return [self._index.version(cid) >= 0 for cid in client_ids]
+
+  def items(self) -> Iterator[tuple[str, Any]]:
+    """(client id, state) of every client with a stored state, by id."""
+    for cid in sorted(self._index.client_ids):
+      version = self._index.version(cid)
+      if version >= 0:
+        yield cid, self._format.load(cid, version)
+
+  def num_clients(self) -> int:
+    return int(np.sum(self._index.versions >= 0))
+
+
+def _round_directories(directory: str) -> dict[int, str]:
+  if not os.path.isdir(directory):
+    return {}
+  found = {}
+  for name in os.listdir(directory):
+    match = _ROUND_DIR.match(name)
+    if match:
+      found[int(match.group(1))] = os.path.join(directory, name)
+  return found
+
+
+def recover(directory: str, committed_round: int) -> list[int]:
+  """Removes the files of rounds after `committed_round` (a killed run's).
+
+  Returns the rounds removed.
+  """
+  removed = []
+  for round_num, path in sorted(_round_directories(directory).items()):
+    if round_num > committed_round:
+      shutil.rmtree(path)
+      removed.append(round_num)
+  if removed:
+    logging.warning('Removed client states of uncommitted rounds %s in %s',
+                    ', '.join(map(str, removed)), directory)
+  return removed
+
+
+def missing_files(state_format: StateFormat, index: StateIndex,
+                  expected_size: Optional[int]) -> list[str]:
+  """Paths of indexed states that are missing (or of the wrong size)."""
+  missing = []
+  for position in np.flatnonzero(index.versions >= 0):
+    path = state_format.file_path(index.client_ids[position],
+                                  int(index.versions[position]))
+    try:
+      size = os.stat(path).st_size
+    except FileNotFoundError:
+      missing.append(path)
+      continue
+    if expected_size is not None and size != expected_size:
+      missing.append(path)
+  return missing
+
+
+def collect_garbage(directory: str, kept_indexes: Sequence[StateIndex],
+                    up_to_round: int) -> int:
+  """Deletes state files no kept checkpoint names, of rounds <= up_to_round.
+
+  Returns the number of files deleted. Rounds after `up_to_round` are not
+  touched (they may belong to a round in progress).
+  """
+  if not kept_indexes:
+    return 0
+  client_ids = kept_indexes[0].client_ids
+  position = {file_name(cid): i for i, cid in enumerate(client_ids)}
+  kept = np.stack([index.versions for index in kept_indexes])
+  deleted = 0
+  for round_num, path in _round_directories(directory).items():
+    if round_num > up_to_round:
+      continue
+    for name in os.listdir(path):
+      i = position.get(name)
+      if i is None or not np.any(kept[:, i] == round_num):
+        os.remove(os.path.join(path, name))
+        deleted += 1
+    if not os.listdir(path):
+      os.rmdir(path)
+  return deleted
+
+
+def serialized_size(specs) -> int:
+  """Bytes of one stored state of `specs` (fixed shapes), for validation."""
+  zeros = [tf.zeros(s.shape, s.dtype) for s in tf.nest.flatten(specs)]
+  parts = tf.stack([tf.io.serialize_tensor(z) for z in zeros])
+  return len(tf.io.serialize_tensor(parts).numpy())

@@ -1,0 +1,146 @@
+"""The native runtime: a round definition run in-process in TensorFlow.
+
+`--runtime=native` interprets the same `RoundDefinition` as
+`runtime.tff_process`, with the same group computation (`runtime.cohort`),
+without TFF's runtime: TF's own device placement applies (a GPU when TF sees
+one) and no `worker_binary` is started. The cohort runs as the same groups,
+each one compiled call; the groups' sums are added here, as TFF's
+federated_sum adds them; the model update is their weighted mean, as
+`tff.federated_mean(value, weight)` computes it. Only the default (mean)
+model aggregator runs here: TFF's other aggregators are TFF computations.
+
+Values in and out have the structures the TFF process gives (Python
+containers of numpy arrays), so checkpoints, the client-state store,
+evaluation and export work unchanged, and a checkpoint written under one
+runtime resumes under the other.
+"""
+
+import collections
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_algos.algorithms import round as round_lib
+from tff_algos.runtime import client_states
+from tff_algos.runtime import cohort
+from tff_algos.runtime import communication
+from tff_algos.runtime import tff_process
+
+
+def to_numpy(structure):
+  """Tensors -> numpy arrays, containers kept (as the TFF runtime returns)."""
+  return tf.nest.map_structure(np.asarray, structure)
+
+
+def graph_mode_dataset_fn(dataset_fn):
+  """`dataset_fn` traced as a graph, as inside a TFF computation.
+
+  A dataset op seeded only at op level (`shuffle(seed=s)`) takes the graph's
+  seed as its other half: none in a TFF computation's graph, but the global
+  seed when built eagerly after `tf.random.set_seed` (which the driver calls
+  to initialize the model). Clearing the graph's seed makes both runtimes
+  draw the same batches for the same (client id, seed).
+  """
+
+  def build(*args):
+    tf.compat.v1.get_default_graph().seed = None
+    return dataset_fn(*args)
+
+  return build
+
+
+def _sum(structures):
+  total = structures[0]
+  for structure in structures[1:]:
+    total = tf.nest.map_structure(np.add, total, structure)
+  return total
+
+
+class NativeProcess:
+  """initialize() -> state; next(state, groups, round_num, server_seed)."""
+
+  def __init__(self, definition: round_lib.RoundDefinition,
+               data: tff_process.DataFunctions,
+               state_format: Optional[client_states.StateFormat] = None):
+    self._definition = definition
+    self._data = data
+    self._run_group = cohort.build_group_update(
+        definition, graph_mode_dataset_fn(data.client_dataset_fn),
+        state_format if definition.has_client_state else None,
+        data.client_cost_fn)(definition.client_context())
+    self._initial_state = definition.initial_server_state
+    self._broadcast = tf.function(definition.broadcast)
+    self._server_update = tf.function(definition.server_update)
+    self._central = None
+    if definition.central is not None:
+      self._central = tf.function(definition.central.run)
+      if definition.central.uses_data:
+        self._server_dataset = tf.function(
+            graph_mode_dataset_fn(data.server_dataset_fn), autograph=False)
+    self._communication = None
+
+  def initialize(self):
+    return to_numpy(self._initial_state())
+
+  def _central_result(self, state, server_seed):
+    elements = None
+    if self._definition.central.uses_data:
+      elements = self._server_dataset(tf.constant(server_seed, tf.int64))
+    return self._central(state, elements)
+
+  def next(self, state, groups, round_num: int, server_seed: int):
+    definition = self._definition
+    central = None
+    before = definition.central is not None and (
+        definition.central.before_clients)
+    if before:
+      central = self._central_result(state, server_seed)
+    message = self._broadcast(state, central)
+    results = [to_numpy(self._run_group(
+        message, tf.constant(round_num, tf.int64),
+        {key: tf.constant(value) for key, value in group.items()}))
+               for group in groups]
+    total = _sum(results)
+    weight_sum = np.float32(total['weight'])
+    aggregates = collections.OrderedDict(
+        model_update=tf.nest.map_structure(
+            lambda s: np.asarray(tf.divide(s, weight_sum)),
+            total['model_update']),
+        weight_sum=weight_sum, num_clients=total['num_clients'],
+        sums=total['sums'], measurements=total['measurements'])
+    if definition.central is not None and not before:
+      central = self._central_result(state, server_seed)
+    new_state, algorithm_metrics = self._server_update(state, aggregates,
+                                                       central)
+    metrics = collections.OrderedDict(
+        train=_eager_finalize(definition, total['metrics']))
+    metrics.update(algorithm_metrics)
+    metrics['communication'] = self._communication_metrics(message, results[0])
+    if 'client_costs' in total:
+      mean_costs = tf.nest.map_structure(
+          lambda c: c / np.asarray(total['num_clients'], c.dtype),
+          total['client_costs'])
+      metrics = communication.with_client_costs(metrics, mean_costs)
+    return to_numpy(new_state), to_numpy(metrics)
+
+  def _communication_metrics(self, message, group_result):
+    if self._communication is None:
+      message_type = tff.types.tensorflow_to_type(tf.nest.map_structure(
+          tf.TensorSpec.from_tensor, message))
+      result_type = tff.types.tensorflow_to_type(tf.nest.map_structure(
+          lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)),
+          group_result))
+      down, up = communication.per_client_bytes(message_type, result_type)
+      augmenting = None
+      if self._definition.augmenting_message is not None:
+        augmenting = communication.type_bytes(
+            message_type[self._definition.augmenting_message])
+      self._communication = communication.metrics(down, up, augmenting)
+    return self._communication
+
+
+def _eager_finalize(definition, summed_metrics):
+  summed = tf.nest.map_structure(tf.convert_to_tensor, summed_metrics)
+  return to_numpy(definition.finalize_metrics(summed))
