@@ -1,10 +1,13 @@
-"""The one training loop every algorithm runs through (SPEC 4.5).
+"""The one training loop every algorithm runs through.
 
-Per round: sample client ids uniformly without replacement, read their stored
-states, run the by-id TFF process, write the new states, log metrics, evaluate
-and checkpoint on schedule. Sampling, client shuffle seeds and the central
-data seed are pure functions of (seed, round), so the only things a checkpoint
-needs are the round number, the server state and the client-state store.
+Per round: sample client ids uniformly without replacement, split them into
+groups, run the algorithm's round on the chosen runtime, commit the clients'
+new state versions, log metrics, evaluate and checkpoint on schedule.
+Sampling, client shuffle seeds and the central data seed are pure functions
+of (seed, round), and client states are files the clients' own computations
+wrote, named by the index of versions (`tff_algos.runtime.client_states`);
+so a checkpoint holds the round number, the server state and that index, and
+a resumed run is bit-identical to an uninterrupted one.
 """
 
 import asyncio
@@ -21,15 +24,19 @@ import tensorflow as tf
 import tensorflow_federated as tff
 import tqdm
 
-from pipeline import client_store as client_store_lib
 from pipeline import evaluation
 from pipeline import export as export_lib
 from pipeline.errors import UsageError
 from tasks import base
-from tff_algos import contract
-from tff_algos import native
+from tff_algos.algorithms import round as round_lib
+from tff_algos.runtime import client_states
+from tff_algos.runtime import cohort
+from tff_algos.runtime import native
+from tff_algos.runtime import tff_process
 
 CHECKPOINT_PREFIX = 'round_'
+RUNTIMES = ('tff', 'native')
+CLIENT_STATE_DIR = 'client_states'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +48,25 @@ class RunConfig:
   rounds_per_eval: int = 1
   rounds_per_checkpoint: int = 5
   seed: int = 0
-  client_state_store: str = 'auto'
+  # Where client states live; None: <run dir>/client_states. Remote
+  # workers need a path they share.
+  client_state_dir: Optional[str] = None
+  # Clients per group (one compiled computation each); 0: chosen from the
+  # cohort and the runtime (`cohort.clients_per_group`).
+  clients_per_group: int = 0
   checkpoints_to_keep: int = 3
   export: bool = True
-  # 'tff' (TFF's runtime) or 'native' (in-process TF, SPEC 4.7).
+  # 'tff' (TFF's runtime) or 'native' (in-process TF).
   runtime: str = 'tff'
 
   @property
   def run_dir(self) -> str:
     return os.path.join(self.root_output_dir, self.experiment_name)
+
+  @property
+  def state_dir(self) -> str:
+    return self.client_state_dir or os.path.join(self.run_dir,
+                                                 CLIENT_STATE_DIR)
 
   def validate(self, num_train_clients: int) -> None:
     if self.total_rounds < 1:
@@ -62,13 +79,12 @@ class RunConfig:
     for flag in ('rounds_per_eval', 'rounds_per_checkpoint'):
       if getattr(self, flag) < 1:
         raise UsageError(f'--{flag} must be >= 1, got {getattr(self, flag)}')
-    if self.client_state_store not in ('auto',) + client_store_lib.BACKENDS:
-      raise UsageError(
-          f'--client_state_store={self.client_state_store!r} is unknown; '
-          f'allowed: auto, {", ".join(client_store_lib.BACKENDS)}')
-    if self.runtime not in native.RUNTIMES:
+    if self.clients_per_group < 0:
+      raise UsageError('--clients_per_group must be >= 0 (0: automatic), '
+                       f'got {self.clients_per_group}')
+    if self.runtime not in RUNTIMES:
       raise UsageError(f'--runtime={self.runtime!r} is unknown; allowed: '
-                       f'{", ".join(native.RUNTIMES)}')
+                       f'{", ".join(RUNTIMES)}')
     if not self.experiment_name or os.sep in self.experiment_name:
       raise UsageError(f'--experiment_name={self.experiment_name!r} must be a '
                        'non-empty name without path separators')
@@ -105,38 +121,63 @@ def initial_model_weights(task: base.Task,
   return tff.learning.models.ModelWeights.from_model(task.keras_model_fn())
 
 
-def compose_process(algorithm: contract.FederatedAlgorithm, task: base.Task,
-                    runtime: str = 'tff'):
-  """The by-id process the driver runs, on the chosen runtime.
+def state_format(definition: round_lib.RoundDefinition,
+                 directory: str) -> Optional[client_states.StateFormat]:
+  """How `definition`'s client states are stored under `directory`."""
+  if not definition.has_client_state:
+    return None
+  specs = tf.nest.map_structure(
+      lambda t: tf.TensorSpec(t.shape, t.dtype),
+      definition.initial_client_state())
+  return client_states.StateFormat(directory, specs,
+                                   definition.initial_client_state)
 
-  Both have `initialize()` and `next(server_state, client_inputs,
-  server_seed)` with the same Python structures in and out.
+
+def compose_process(definition: round_lib.RoundDefinition, task: base.Task,
+                    runtime: str = 'tff',
+                    formats: Optional[client_states.StateFormat] = None,
+                    model_aggregator=None):
+  """The process the driver runs, on the chosen runtime.
+
+  Both have `initialize()` and `next(state, groups, round_num, server_seed)
+  -> (state, metrics)` with the same Python structures in and out.
   """
+  if task.client_dataset_fn is None:
+    raise UsageError(
+        f'--task={task.name} builds its client datasets only as a TFF '
+        'computation; its clients cannot be run by id')
+  if definition.uses_server_data and task.server_dataset_fn is None:
+    raise UsageError(
+        f'--algorithm={definition.name} needs central (server) data or a '
+        'data-free central loss; the task, with these flags, has neither')
+  data = tff_process.DataFunctions(
+      client_dataset_fn=task.client_dataset_fn,
+      server_dataset_fn=task.server_dataset_fn,
+      client_cost_fn=task.client_cost_fn)
   if runtime == 'native':
-    return native.compose_by_id(algorithm, task.client_dataset_fn,
-                                task.server_dataset_fn, f'--task={task.name}',
-                                task.client_cost_fn)
-  return contract.compose_by_id(algorithm, task.client_dataset_computation,
-                                task.server_dataset_computation,
-                                task.client_cost_fn)
+    if model_aggregator is not None:
+      raise UsageError('--runtime=native runs the mean aggregator only; '
+                       'use --runtime=tff for other aggregators')
+    return native.NativeProcess(definition, data, formats)
+  return tff_process.build(definition, data, formats, model_aggregator)
 
 
-def program_state_structure(algorithm: contract.FederatedAlgorithm,
-                            round_num: int, process=None):
-  """The structure a checkpoint of `algorithm` is loaded into; `process` is
-  the composed process to initialize (default: the TFF one)."""
-  process = process or algorithm.process
-  return _program_state(round_num, process.initialize(), b'')
-
-
-def _program_state(round_num: int, server_state, store_bytes: bytes):
+def _program_state(round_num: int, server_state, versions: np.ndarray):
   return collections.OrderedDict(
       round_num=np.int64(round_num), server_state=server_state,
-      client_store=store_bytes)
+      client_versions=np.asarray(versions, np.int64))
+
+
+def program_state_structure(process, round_num: int, num_train_clients: int,
+                            has_client_state: bool):
+  """The structure a checkpoint is loaded into."""
+  return _program_state(
+      round_num, process.initialize(),
+      np.zeros([num_train_clients if has_client_state else 0], np.int64))
 
 
 class CheckpointManager:
-  """Server state + round + client store, via tff.program's state manager."""
+  """Server state + round + client-state index, via tff.program."""
 
   def __init__(self, checkpoint_dir: str, keep: int):
     self._dir = checkpoint_dir
@@ -144,12 +185,14 @@ class CheckpointManager:
         checkpoint_dir, prefix=CHECKPOINT_PREFIX, keep_total=keep,
         keep_first=False)
 
-  def latest_round(self) -> Optional[int]:
-    versions = asyncio.run(self._manager.get_versions())
-    return versions[-1] if versions else None
+  def rounds(self) -> list[int]:
+    return list(asyncio.run(self._manager.get_versions()) or ())
 
-  def load(self, round_num: int, structure, store=None):
-    """The checkpoint of `round_num`; also rolls `store` back to it."""
+  def latest_round(self) -> Optional[int]:
+    rounds = self.rounds()
+    return rounds[-1] if rounds else None
+
+  def load(self, round_num: int, structure):
     path = os.path.join(self._dir, f'{CHECKPOINT_PREFIX}{round_num}')
     try:
       state = asyncio.run(self._manager.load(round_num, structure))
@@ -159,24 +202,63 @@ class CheckpointManager:
                        'resume from an earlier one') from e
     if int(state['round_num']) != round_num:
       raise UsageError(f'checkpoint {path} holds round {state["round_num"]}')
-    if store:
-      store.restore(round_num, state['client_store'], self._dir)
     return state
 
-  def save(self, round_num: int, server_state, store=None) -> None:
-    """Checkpoints the server state together with the client store."""
+  def save(self, round_num: int, server_state, versions: np.ndarray) -> None:
     os.makedirs(self._dir, exist_ok=True)
-    # A memory store writes its database into a file here first.
-    store_bytes = store.checkpoint(round_num, self._dir) if store else b''
     asyncio.run(self._manager.save(
-        _program_state(round_num, server_state, store_bytes), round_num))
-    # Client-store files of checkpoints the manager dropped (or of a save
-    # that never completed).
-    kept = set(asyncio.run(self._manager.get_versions()) or ())
-    for name in os.listdir(self._dir):
-      file_round = client_store_lib.checkpoint_file_round(name)
-      if file_round is not None and file_round not in kept:
-        os.remove(os.path.join(self._dir, name))
+        _program_state(round_num, server_state, versions), round_num))
+
+
+class ClientStateKeeper:
+  """The index of client-state versions and its files, across checkpoints.
+
+  Commits a round's clients after the round; at each checkpoint deletes the
+  files no kept checkpoint names; at a resume removes what a killed run left
+  and checks that every file the checkpoint names is there.
+  """
+
+  def __init__(self, state_format: client_states.StateFormat,
+               client_ids, checkpoints: CheckpointManager, structure_fn):
+    self.format = state_format
+    self._client_ids = client_ids
+    self._checkpoints = checkpoints
+    self._structure_fn = structure_fn
+    self.index = client_states.StateIndex(client_ids)
+    self._kept = {}  # Checkpoint round -> its versions.
+
+  def start(self, round_num: int, versions: Optional[np.ndarray]) -> None:
+    """Sets the index to checkpoint `round_num`'s (None: a new run)."""
+    self.index = client_states.StateIndex(self._client_ids, versions)
+    client_states.recover(self.format.directory, round_num)
+    missing = client_states.missing_files(
+        self.format, self.index,
+        client_states.serialized_size(self.format.specs))
+    if missing:
+      raise UsageError(
+          f'{len(missing)} client state file(s) of checkpoint round '
+          f'{round_num} are missing or damaged (e.g. {missing[0]}); the run '
+          'cannot resume exactly. Restore the directory or start a new '
+          '--experiment_name')
+    self._kept = {round_num: self.index.versions.copy()}
+
+  def checkpointed(self, round_num: int) -> None:
+    """Round `round_num` was checkpointed: drop unreferenced files."""
+    kept_rounds = set(self._checkpoints.rounds())
+    self._kept[round_num] = self.index.versions.copy()
+    for old in [r for r in self._kept if r not in kept_rounds]:
+      del self._kept[old]
+    for checkpoint_round in kept_rounds - set(self._kept):
+      loaded = self._checkpoints.load(checkpoint_round,
+                                      self._structure_fn(checkpoint_round))
+      self._kept[checkpoint_round] = loaded['client_versions']
+    client_states.collect_garbage(
+        self.format.directory,
+        [client_states.StateIndex(self._client_ids, v)
+         for v in self._kept.values()], round_num)
+
+  def view(self) -> client_states.ClientStates:
+    return client_states.ClientStates(self.format, self.index)
 
 
 def write_hparams(run_dir: str, hparams: dict) -> None:
@@ -187,41 +269,47 @@ def write_hparams(run_dir: str, hparams: dict) -> None:
   os.replace(staging, path)
 
 
-def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
-          config: RunConfig, hparams: Optional[dict] = None) -> TrainResult:
+def train(definition: round_lib.RoundDefinition, task: base.Task,
+          config: RunConfig, hparams: Optional[dict] = None,
+          model_aggregator=None) -> TrainResult:
   """Runs (or resumes) `config.total_rounds` rounds; exports the final model."""
   config.validate(task.num_train_clients)
   run_dir = config.run_dir
   os.makedirs(run_dir, exist_ok=True)
 
-  process = compose_process(algorithm, task, config.runtime)
-  store = None
-  if algorithm.has_client_state:
-    store = client_store_lib.open_store(
-        algorithm.client_state_fn,
-        client_store_lib.resolve_backend(config.client_state_store,
-                                         task.num_train_clients), run_dir)
+  formats = state_format(definition, config.state_dir)
+  process = compose_process(definition, task, config.runtime, formats,
+                            model_aggregator)
   checkpoints = CheckpointManager(os.path.join(run_dir, 'checkpoints'),
                                   config.checkpoints_to_keep)
-
-  initial_state = algorithm.set_model_weights(
+  num_indexed = task.num_train_clients if formats else 0
+  initial_state = round_lib.set_model_weights(
       process.initialize(), initial_model_weights(task, config.seed))
+
+  def structure(round_num):
+    return _program_state(round_num, initial_state,
+                          np.zeros([num_indexed], np.int64))
+
+  keeper = (ClientStateKeeper(formats, task.train_client_ids, checkpoints,
+                              structure) if formats else None)
   start_round = checkpoints.latest_round()
   if start_round is None:
     start_round = 0
     server_state = initial_state
-    if store:  # Drop rows a run that never checkpointed may have left.
-      store.restore(0, b'')
-    checkpoints.save(0, server_state, store)
+    if keeper:
+      keeper.start(0, None)
+    checkpoints.save(0, server_state, keeper.index.versions if keeper else
+                     np.zeros([0], np.int64))
   elif start_round > config.total_rounds:
     raise UsageError(
         f'--total_rounds={config.total_rounds} is below the round of the '
         f'latest checkpoint ({start_round}) in {run_dir}; pass a larger '
         '--total_rounds or a new --experiment_name')
   else:
-    loaded = checkpoints.load(
-        start_round, _program_state(start_round, initial_state, b''), store)
+    loaded = checkpoints.load(start_round, structure(start_round))
     server_state = loaded['server_state']
+    if keeper:
+      keeper.start(start_round, loaded['client_versions'])
     logging.info('Resuming %s from round %d', run_dir, start_round)
 
   write_hparams(run_dir, hparams or {})
@@ -230,7 +318,10 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
   tensorboard = tff.program.TensorBoardReleaseManager(
       os.path.join(run_dir, 'tensorboard'))
   evaluator = None
-  client_ids = task.train_client_ids
+  client_ids = np.asarray(task.train_client_ids, dtype=object)
+  group_size = cohort.clients_per_group(
+      config.clients_per_round, config.clients_per_group, config.runtime,
+      per_client=model_aggregator is not None)
   row = {}
   progress = tqdm.tqdm(total=config.total_rounds, initial=start_round,
                        unit='round', desc=config.experiment_name,
@@ -240,16 +331,14 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
       started = time.perf_counter()
       plan = plan_round(config.seed, round_num, len(client_ids),
                         config.clients_per_round)
-      ids = [client_ids[i] for i in plan.client_indices]
-      client_inputs = [collections.OrderedDict(id=cid, seed=seed)
-                       for cid, seed in zip(ids, plan.client_seeds)]
-      if store:
-        for client_input, state in zip(client_inputs, store.read(ids)):
-          client_input['state'] = state
-      server_state, client_outputs, metrics = process.next(
-          server_state, client_inputs, plan.server_seed)
-      if store:
-        store.write(round_num, ids, [out['state'] for out in client_outputs])
+      versions = (keeper.index.versions_of(plan.client_indices)
+                  if keeper else None)
+      groups = cohort.groups(client_ids[plan.client_indices],
+                             plan.client_seeds, versions, group_size)
+      server_state, metrics = process.next(server_state, groups, round_num,
+                                           plan.server_seed)
+      if keeper:
+        keeper.index.commit(plan.client_indices, round_num)
       row = evaluation.flatten_metrics(metrics)
       row['round_seconds'] = time.perf_counter() - started
       last_round = round_num == config.total_rounds
@@ -257,16 +346,21 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
         if evaluator is None:
           evaluator = evaluation.Evaluator(task)
         eval_started = time.perf_counter()
-        row.update(evaluator(algorithm.get_model_weights(server_state)))
-        if algorithm.personalization is not None:
+        row.update(evaluator(round_lib.get_model_weights(server_state)))
+        if definition.personalization is not None:
           row.update(evaluation.flatten_metrics(
-              algorithm.personalization.evaluate(server_state, store),
+              definition.personalization.evaluate(server_state,
+                                                  keeper.view()),
               'eval_personalized/'))
         row['eval_seconds'] = time.perf_counter() - eval_started
       asyncio.run(csv_metrics.release(row, round_num))
       asyncio.run(tensorboard.release(row, round_num))
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
-        checkpoints.save(round_num, server_state, store)
+        checkpoints.save(round_num, server_state,
+                         keeper.index.versions if keeper else
+                         np.zeros([0], np.int64))
+        if keeper:
+          keeper.checkpointed(round_num)
       progress.update(1)
       if 'train/loss' in row:
         progress.set_postfix(loss=f'{row["train/loss"]:.4f}', refresh=False)
@@ -274,14 +368,13 @@ def train(algorithm: contract.FederatedAlgorithm, task: base.Task,
         tqdm.tqdm.write(f'round {round_num}: ' + ', '.join(
             f'{k}={v:.4g}' for k, v in row.items()
             if k in ('train/loss',) or k.startswith('eval')))
-    weights = algorithm.get_model_weights(server_state)
+    weights = round_lib.get_model_weights(server_state)
     if config.export:
       export_dir = export_lib.export_saved_model(
           task, weights, os.path.join(run_dir, 'export'))
-      if algorithm.personalization is not None:
-        algorithm.personalization.export(server_state, store, export_dir)
+      if definition.personalization is not None:
+        definition.personalization.export(server_state, keeper.view(),
+                                          export_dir)
   finally:
     progress.close()
-    if store:
-      store.close()
   return TrainResult(config.total_rounds, server_state, weights, row)

@@ -26,6 +26,14 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
 
 _WORKER_NAME = 'worker_binary'
 _hooks_installed = False
+# Partitions TFF's mergeable context splits a round's clients into (1: the
+# plain local context).
+_partitions = 1
+
+
+def partitions() -> int:
+  """How many parts the configured context splits a round's clients into."""
+  return _partitions
 
 
 def _worker_children() -> list[psutil.Process]:
@@ -278,7 +286,10 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   if num_subrounds < 0:
     raise UsageError(f'--num_subrounds must be >= 0, got {num_subrounds}')
   _stop_context_workers()
+  global _partitions
   mergeable = worker_addresses or num_workers > 1 or num_subrounds > 1
+  _partitions = (num_subrounds or len(worker_addresses) or num_workers
+                 if mergeable else 1)
   if mergeable:
     _fix_mergeable_context_partitioning()
   if worker_addresses:

@@ -25,8 +25,10 @@ additions across clients depends on the grouping.
 """
 
 import collections
-from typing import Any, Callable, Optional
+import os
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tff_algos.algorithms import round as round_lib
@@ -107,3 +109,44 @@ def build_group_update(definition: round_lib.RoundDefinition,
     return run
 
   return bind
+
+
+def clients_per_group(clients_per_round: int, requested: int, runtime: str,
+                      per_client: bool = False) -> int:
+  """Group size of a round: `requested` if set, else chosen for the runtime.
+
+  Per-client aggregators need groups of one. TFF's worker runs its clients
+  (here: groups) concurrently, one per core; the native runtime runs groups
+  one after another, so it takes the cohort as one group.
+  """
+  if per_client:
+    if requested not in (0, 1):
+      raise ValueError('this model aggregator works per client: groups of '
+                       f'one client, not {requested}')
+    return 1
+  if requested > 0:
+    return requested
+  if runtime == 'native':
+    return clients_per_round
+  slots = max(1, os.cpu_count() or 1) * _execution_slots()
+  return max(1, -(-clients_per_round // slots))
+
+
+def _execution_slots() -> int:
+  # pylint: disable=g-import-not-at-top
+  from pipeline import tff_runtime
+  return tff_runtime.partitions()
+
+
+def groups(client_ids: Sequence[str], seeds: np.ndarray,
+           versions: Optional[np.ndarray], size: int) -> list[dict]:
+  """The round's clients, in order, as groups of at most `size`."""
+  result = []
+  for start in range(0, len(client_ids), size):
+    group = collections.OrderedDict(
+        ids=np.asarray([str(c) for c in client_ids[start:start + size]]),
+        seeds=np.asarray(seeds[start:start + size], np.int64))
+    if versions is not None:
+      group['versions'] = np.asarray(versions[start:start + size], np.int64)
+    result.append(group)
+  return result

@@ -1,0 +1,184 @@
+"""SCAFFOLD and FedPVR as round definitions (papers/004 Alg. 1, papers/003).
+
+One definition serves both: a mask over the model's trainable variables picks
+those that get control variates (all of them: SCAFFOLD; the last layers:
+FedPVR). The TF math is in `math`.
+
+  server state   <global_model_weights=x, server_optimizer_state,
+                  control_variate=c (masked variables)>
+  client state   <control_variate=c_i>, zeros until the client is sampled
+  message        <global_model_weights=x, control_variate=c>
+  client sends   y_i - x (model update, weighted by p_i: examples processed,
+                 or 1 with --client_weighting=uniform), c_i+ - c_i (summed)
+  server         x <- ServerOpt(x, -mean_p(y_i - x))
+                 c <- c + sum_S(c_i+ - c_i) / N, the paper's uniform rule,
+                 which keeps c the mean of all N clients' c_i
+"""
+
+import collections
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_algos.algorithms import keras_model
+from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms import settings as settings_lib
+from tff_algos.algorithms.scaffold import math
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaffoldSettings:
+  client_learning_rate: float = settings_lib.client_learning_rate()
+  server_optimizer: str = settings_lib.server_optimizer()
+  server_learning_rate: float = settings_lib.server_learning_rate()
+  client_weighting: str = settings_lib.client_weighting()
+  scaffold_option: int = settings_lib.setting(
+      2, 'SCAFFOLD control variate option: 1 (c_i+ = g_i(x), one extra pass) '
+      'or 2 (from the local steps).', math.OPTIONS)
+  drift_diversity: bool = settings_lib.setting(
+      False, 'Log drift diversity per layer (papers/003 Definition 1).')
+
+  def __post_init__(self):
+    settings_lib.check(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class FedPvrSettings(ScaffoldSettings):
+  # Only the variables without control variates take the client optimizer's
+  # steps (the masked ones take SCAFFOLD's corrected SGD step).
+  client_optimizer: str = settings_lib.client_optimizer()
+  pvr_last_layers: Optional[int] = settings_lib.setting(
+      None, 'FedPVR: control variates on the last L layers that have '
+      'trainable variables (default 1; 0: FedAvg; >= layer count: SCAFFOLD).')
+  pvr_start_variable: Optional[int] = settings_lib.setting(
+      None, 'FedPVR: control variates on the trainable variables from this '
+      'index on (instead of --pvr_last_layers).')
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.pvr_last_layers is not None and (
+        self.pvr_start_variable is not None):
+      raise settings_lib.SettingError(
+          'pvr_last_layers', 'and --pvr_start_variable choose the same mask; '
+          'pass one of them')
+    if self.pvr_last_layers is not None and self.pvr_last_layers < 0:
+      raise settings_lib.SettingError(
+          'pvr_last_layers', f'must be >= 0, got {self.pvr_last_layers}')
+
+
+def _mask(settings, variable_names) -> tuple[bool, ...]:
+  if not isinstance(settings, FedPvrSettings):
+    return tuple(True for _ in variable_names)
+  start = settings.pvr_start_variable
+  if start is not None and not 0 <= start <= len(variable_names):
+    raise settings_lib.SettingError(
+        'pvr_start_variable', f'={start} is out of range: the model has '
+        f'{len(variable_names)} trainable variables (allowed: 0..'
+        f'{len(variable_names)})')
+  last_layers = None
+  if start is None:
+    last_layers = (1 if settings.pvr_last_layers is None
+                   else settings.pvr_last_layers)
+  return math.control_variate_mask(variable_names, last_layers, start)
+
+
+@dataclasses.dataclass(eq=False)
+class _Context:
+  model: tff.learning.models.VariableModel
+  update: object
+
+
+def definition(name: str, model_fn: keras_model.ModelFn, settings,
+               num_train_clients: int) -> round_lib.RoundDefinition:
+  """The SCAFFOLD (ScaffoldSettings) or FedPVR (FedPvrSettings) round."""
+  if num_train_clients < 1:
+    raise ValueError('num_train_clients must be >= 1')
+  info = keras_model.model_info(model_fn)
+  mask = _mask(settings, info.variable_names)
+  layer_of_variable = math.variable_layers(info.variable_names)
+  cv_specs = math.masked_specs(info.trainable_specs, mask)
+  server_optimizer = settings_lib.optimizer(settings.server_optimizer,
+                                            settings.server_learning_rate)
+  client_optimizer = settings_lib.optimizer(
+      getattr(settings, 'client_optimizer', 'sgd'),
+      settings.client_learning_rate)
+  uniform = settings.client_weighting == 'uniform'
+
+  def initial_server_state():
+    return collections.OrderedDict(
+        global_model_weights=keras_model.initial_weights(model_fn),
+        server_optimizer_state=server_optimizer.initialize(
+            info.trainable_specs),
+        control_variate=math.zeros_like_specs(cv_specs))
+
+  def broadcast(state, central):
+    del central
+    return collections.OrderedDict(
+        global_model_weights=state['global_model_weights'],
+        control_variate=state['control_variate'])
+
+  def client_context():
+    model = model_fn()
+    return _Context(model, math.build_client_update(
+        model, client_optimizer, settings.client_learning_rate, mask,
+        settings.scaffold_option, uniform,
+        layer_of_variable if settings.drift_diversity else None))
+
+  def client_update(context, message, dataset, client_state):
+    out = context.update(message['global_model_weights'],
+                         message['control_variate'],
+                         client_state['control_variate'], dataset)
+    measurements = collections.OrderedDict()
+    if settings.drift_diversity:
+      measurements['layer_sq_norms'] = out['layer_sq_norms']
+      measurements['model_delta'] = out['model_delta']
+    return round_lib.ClientResult(
+        model_update=out['model_delta'], weight=out['weight'],
+        sums=collections.OrderedDict(
+            control_variate_delta=out['control_variate_delta']),
+        measurements=measurements, metrics=out['metrics'],
+        state=out['client_state'])
+
+  def server_update(state, aggregates, central):
+    del central
+    weights, optimizer_state, control_variate = math.server_update(
+        server_optimizer, state['global_model_weights'],
+        state['server_optimizer_state'], state['control_variate'],
+        aggregates['model_update'],
+        aggregates['sums']['control_variate_delta'], num_train_clients)
+    metrics = collections.OrderedDict()
+    if settings.drift_diversity:
+      measurements = aggregates['measurements']
+      metrics['drift_diversity'] = math.drift_diversity_metrics(
+          measurements['layer_sq_norms'], measurements['model_delta'],
+          layer_of_variable)
+    return collections.OrderedDict(
+        global_model_weights=weights, server_optimizer_state=optimizer_state,
+        control_variate=control_variate), metrics
+
+  def initial_client_state():
+    return collections.OrderedDict(
+        control_variate=math.zeros_like_specs(cv_specs))
+
+  return round_lib.RoundDefinition(
+      name=name, settings=settings,
+      initial_server_state=initial_server_state, broadcast=broadcast,
+      client_context=client_context, client_update=client_update,
+      reset_client=lambda context: context.model.reset_metrics(),
+      server_update=server_update,
+      finalize_metrics=lambda sums: keras_model.finalize_metrics(
+          info.metric_finalizers, sums),
+      initial_client_state=initial_client_state)
+
+
+def scaffold(task, settings: ScaffoldSettings) -> round_lib.RoundDefinition:
+  """SCAFFOLD (papers/004 Alg. 1): control variates on every variable."""
+  return definition('scaffold', task.model_fn, settings,
+                    task.num_train_clients)
+
+
+def fedpvr(task, settings: FedPvrSettings) -> round_lib.RoundDefinition:
+  """FedPVR (papers/003 Alg. I): control variates on the last layers."""
+  return definition('fedpvr', task.model_fn, settings, task.num_train_clients)
