@@ -1,16 +1,23 @@
-"""Command-line flags shared by the binaries (names fixed by SPEC 7)."""
+"""Command-line flags shared by the binaries.
 
+The algorithms' flags are generated from their settings dataclasses
+(`tff_algos.algorithms.registry`): one flag per field name, with the field's
+default and help; a field several algorithms share is one flag.
+"""
+
+import dataclasses
+import typing
 from typing import Any, Callable, Optional, Union
 
 from absl import flags
 
 from binaries import app
-from pipeline import client_store
 from pipeline import tff_runtime
 from pipeline.errors import UsageError
 from tasks import base as task_base
 from tasks import registry as task_registry
-from tff_algos import config as algo_config
+from tff_algos.algorithms import registry as algorithm_registry
+from tff_algos.algorithms import settings as settings_lib
 
 # Experiment.
 flags.DEFINE_string('task', None, 'Task name, e.g. celeba_smile.')
@@ -26,14 +33,19 @@ flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
 flags.DEFINE_integer('seed', 0, 'Seed of initialization, sampling and data.')
-flags.DEFINE_enum('client_state_store', 'auto',
-                  ['auto'] + list(client_store.BACKENDS),
-                  'Where per-client state lives (auto: sqlite from '
-                  f'{client_store.AUTO_SQLITE_MIN_CLIENTS} train clients on).')
+flags.DEFINE_string('client_state_dir', None,
+                    'Directory of the per-client states (SCAFFOLD/FedPVR c_i, '
+                    'FedRes theta_i), written by the clients\' computations '
+                    '(default: <run dir>/client_states; remote workers need a '
+                    'path they share).')
+flags.DEFINE_integer('clients_per_group', 0,
+                     'Clients that one compiled computation runs in sequence '
+                     '(a TFF client stands for a group); 0: chosen from the '
+                     'cohort and the cores.')
 flags.DEFINE_enum('runtime', 'tff', ['tff', 'native'],
                   'Execution runtime: tff (TFF\'s C++ runtime) or native (the '
-                  'same TF functions run in-process in TF, clients one after '
-                  'another, so TF places them on a GPU if there is one).')
+                  'same TF functions run in-process in TF, so TF places them '
+                  'on a GPU if there is one).')
 flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                      'Cap on concurrent calls in the TFF C++ runtime '
                      '(<= 0: no cap).')
@@ -127,53 +139,36 @@ flags.DEFINE_float('spreadout_weight', 1.0,
                    'loss with --spreadout_on_clients (1 = w_c / w_f of the '
                    'mixed objective with the paper\'s w_f = w_c).')
 
-# Optimization (common).
-flags.DEFINE_string('client_optimizer', 'sgd', 'Client optimizer.')
-flags.DEFINE_float('client_learning_rate', 0.01, 'Client learning rate eta.')
-flags.DEFINE_string('server_optimizer', 'sgd', 'Server optimizer.')
-flags.DEFINE_float('server_learning_rate', 1.0, 'Server learning rate eta_s.')
+# Algorithm settings: one flag per field of the algorithms' settings classes.
 
-# Algorithm-specific (an error when set for an algorithm they do not apply to).
-flags.DEFINE_integer('central_batch_size', 500, 'Mixed FL: |B_c|.')
-flags.DEFINE_string('central_optimizer', 'sgd', 'Mixed FL: CentralOpt.')
-flags.DEFINE_float('central_learning_rate', 0.01, 'Mixed FL: eta_c.')
-flags.DEFINE_string('merge_optimizer', 'sgd', 'Mixed FL: MergeOpt.')
-flags.DEFINE_float('merge_learning_rate', 1.0, 'Mixed FL: eta_m.')
-flags.DEFINE_float('federated_weight', 0.5, 'Mixed FL: w_f.')
-flags.DEFINE_float('central_weight', 0.5, 'Mixed FL: w_c.')
-flags.DEFINE_boolean('mixed_diagnostics', False, 'Mixed FL: eq. 7 metrics.')
-flags.DEFINE_float('proximal_strength', 0.01, 'FedProx: mu.')
-flags.DEFINE_integer('scaffold_option', 2, 'SCAFFOLD: control variate option.')
-flags.DEFINE_integer('pvr_last_layers', 1,
-                     'FedPVR: control variates on the last L layers that have '
-                     'trainable variables (0: FedAvg; >= layer count: '
-                     'SCAFFOLD).')
-flags.DEFINE_integer('pvr_start_variable', None,
-                     'FedPVR: control variates on trainable variables from '
-                     'this index on (instead of --pvr_last_layers).')
-flags.DEFINE_boolean('drift_diversity', False,
-                     'SCAFFOLD/FedPVR: per-layer drift diversity metrics.')
-flags.DEFINE_enum('client_weighting', 'num_examples',
-                  list(algo_config.CLIENT_WEIGHTINGS),
-                  'Weights of clients in server means: examples processed or '
-                  'uniform.')
-flags.DEFINE_integer('fedres_option', 2, 'FedResAvg: option I or II.')
-flags.DEFINE_float('local_learning_rate', 0.01, 'FedRes: lambda.')
-flags.DEFINE_float('fedres_alpha', 1.0, 'FedResAvg: server step alpha.')
-flags.DEFINE_boolean('fedres_fit_unseen', False,
-                     'FedRes personalized eval: fit a never-sampled client\'s '
-                     'local model for K steps on its train data.')
 
-# Flags that only some algorithms use; each algorithm lists those it accepts.
-ALGORITHM_FLAGS = (
-    'client_optimizer', 'client_learning_rate', 'server_optimizer',
-    'server_learning_rate', 'central_batch_size', 'central_optimizer',
-    'central_learning_rate', 'merge_optimizer', 'merge_learning_rate',
-    'federated_weight',
-    'central_weight', 'mixed_diagnostics', 'proximal_strength',
-    'scaffold_option', 'pvr_last_layers', 'fedres_option',
-    'local_learning_rate', 'fedres_alpha', 'pvr_start_variable',
-    'drift_diversity', 'client_weighting', 'fedres_fit_unseen')
+def _settings_fields() -> dict[str, dataclasses.Field]:
+  fields = {}
+  for name in algorithm_registry.NAMES:
+    for field in dataclasses.fields(algorithm_registry.settings_class(name)):
+      seen = fields.get(field.name)
+      if seen is not None and (seen.default, seen.type, seen.metadata) != (
+          field.default, field.type, field.metadata):
+        raise TypeError(f'setting {field.name} differs between algorithms')
+      fields[field.name] = field
+  return fields
+
+
+def _define_setting_flag(field: dataclasses.Field) -> None:
+  kind = field.type
+  if typing.get_origin(kind) is Union:  # Optional[int] and the like.
+    kind, = [t for t in typing.get_args(kind) if t is not type(None)]
+  define = {bool: flags.DEFINE_boolean, int: flags.DEFINE_integer,
+            float: flags.DEFINE_float, str: flags.DEFINE_string}[kind]
+  define(field.name, field.default, field.metadata['help'])
+
+
+_SETTINGS_FIELDS = _settings_fields()
+for _field in _SETTINGS_FIELDS.values():
+  _define_setting_flag(_field)
+
+# Flags that only some algorithms use; each algorithm accepts its settings'.
+ALGORITHM_FLAGS = tuple(_SETTINGS_FIELDS)
 
 FLAGS = flags.FLAGS
 
@@ -339,37 +334,25 @@ def apply_built_task_defaults(task: task_base.Task) -> None:
     FLAGS.clients_per_round = task.default_clients_per_round
 
 
-def algorithm_config(num_train_clients: int,
-                     central_loss_fn: Optional[Callable] = None
-                     ) -> algo_config.AlgorithmConfig:
-  """The algorithm's hyperparameters; `central_loss_fn` comes from the task."""
-  if FLAGS['pvr_last_layers'].present and FLAGS.pvr_start_variable is not None:
-    raise UsageError('--pvr_last_layers and --pvr_start_variable choose the '
-                     'same mask; pass one of them')
-  return algo_config.AlgorithmConfig(
-      client_optimizer=FLAGS.client_optimizer,
-      client_learning_rate=FLAGS.client_learning_rate,
-      server_optimizer=FLAGS.server_optimizer,
-      server_learning_rate=FLAGS.server_learning_rate,
-      proximal_strength=FLAGS.proximal_strength,
-      fedres_option=FLAGS.fedres_option,
-      local_learning_rate=FLAGS.local_learning_rate,
-      fedres_alpha=FLAGS.fedres_alpha,
-      fedres_fit_unseen=FLAGS.fedres_fit_unseen,
-      num_train_clients=num_train_clients,
-      clients_per_round=FLAGS.clients_per_round,
-      client_weighting=FLAGS.client_weighting,
-      scaffold_option=FLAGS.scaffold_option,
-      pvr_last_layers=FLAGS.pvr_last_layers,
-      pvr_start_variable=FLAGS.pvr_start_variable,
-      drift_diversity=FLAGS.drift_diversity,
+def build_algorithm(task: task_base.Task):
+  """The round definition of --algorithm on `task` from the flags; a
+  setting it cannot take is a UsageError naming the flag."""
+  settings = algorithm_settings(FLAGS.algorithm)
+  try:
+    return algorithm_registry.build(FLAGS.algorithm, task, settings)
+  except settings_lib.SettingError as e:
+    raise UsageError(f'--{e.name} {e.problem}') from e
 
-      central_optimizer=FLAGS.central_optimizer,
-      central_learning_rate=FLAGS.central_learning_rate,
-      merge_optimizer=FLAGS.merge_optimizer,
-      merge_learning_rate=FLAGS.merge_learning_rate,
-      federated_weight=FLAGS.federated_weight,
-      central_weight=FLAGS.central_weight,
-      mixed_diagnostics=FLAGS.mixed_diagnostics,
-      central_steps=FLAGS.client_steps,
-      central_loss_fn=central_loss_fn)
+
+def algorithm_settings(algorithm: str):
+  """The settings of `algorithm` from the flags; UsageError if impossible."""
+  settings_class = algorithm_registry.settings_class(algorithm)
+  app.check_flags_apply(
+      f'algorithm={algorithm}',
+      tuple(f.name for f in dataclasses.fields(settings_class)),
+      ALGORITHM_FLAGS)
+  try:
+    return settings_class(**{f.name: FLAGS[f.name].value
+                             for f in dataclasses.fields(settings_class)})
+  except settings_lib.SettingError as e:
+    raise UsageError(f'--{e.name} {e.problem}') from e

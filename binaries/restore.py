@@ -16,7 +16,7 @@ from pipeline import driver
 from pipeline.errors import UsageError
 from pipeline import tff_runtime
 from tasks import registry as task_registry
-from tff_algos import registry as algorithm_registry
+from tff_algos.algorithms import round as round_lib
 
 FLAGS = flags.FLAGS
 
@@ -53,10 +53,7 @@ def build_task():
 
 def load_checkpoint_weights(task):
   """(round, ModelWeights) of the chosen checkpoint of the run."""
-  algorithm = algorithm_registry.build_algorithm(
-      FLAGS.algorithm, task.model_fn,
-      flags_lib.algorithm_config(task.num_train_clients,
-                                 task.central_loss_fn), task=task)
+  definition = flags_lib.build_algorithm(task)
   checkpoints = driver.CheckpointManager(
       os.path.join(run_dir(), 'checkpoints'), keep=0)
   round_num = FLAGS.checkpoint_round
@@ -64,8 +61,12 @@ def load_checkpoint_weights(task):
     round_num = checkpoints.latest_round()
     if round_num is None:
       raise UsageError(f'{run_dir()}/checkpoints has no checkpoint')
+  process = driver.compose_process(
+      definition, task, FLAGS.runtime,
+      driver.state_format(definition, FLAGS.client_state_dir or os.path.join(
+          run_dir(), driver.CLIENT_STATE_DIR)))
   structure = driver.program_state_structure(
-      algorithm, round_num,
-      driver.compose_process(algorithm, task, FLAGS.runtime))
+      process, round_num, task.num_train_clients,
+      definition.has_client_state)
   state = checkpoints.load(round_num, structure)
-  return round_num, algorithm.get_model_weights(state['server_state'])
+  return round_num, round_lib.get_model_weights(state['server_state'])

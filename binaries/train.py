@@ -12,7 +12,7 @@ from binaries import flags_lib
 from pipeline import driver
 from pipeline.errors import UsageError
 from tasks import registry as task_registry
-from tff_algos import registry as algorithm_registry
+from tff_algos.algorithms import registry as algorithm_registry
 
 FLAGS = flags.FLAGS
 
@@ -26,7 +26,8 @@ def run_config() -> driver.RunConfig:
       rounds_per_eval=FLAGS.rounds_per_eval,
       rounds_per_checkpoint=FLAGS.rounds_per_checkpoint,
       seed=FLAGS.seed,
-      client_state_store=FLAGS.client_state_store,
+      client_state_dir=FLAGS.client_state_dir,
+      clients_per_group=FLAGS.clients_per_group,
       runtime=FLAGS.runtime)
 
 
@@ -46,16 +47,11 @@ def main(argv):
   flags_lib.apply_built_task_defaults(task)
   config = run_config()
   config.validate(task.num_train_clients)
-  algorithm = algorithm_registry.build_algorithm(
-      FLAGS.algorithm, task.model_fn,
-      flags_lib.algorithm_config(task.num_train_clients,
-                                 task.central_loss_fn), task=task)
-  app.check_flags_apply(f'algorithm={FLAGS.algorithm}', algorithm.flag_names,
-                        flags_lib.ALGORITHM_FLAGS)
+  definition = flags_lib.build_algorithm(task)
   hparams = flags_lib.all_values()
   # Which values came from the task's defaults rather than the command line.
   hparams['task_defaults_applied'] = task_defaults
-  result = driver.train(algorithm, task, config, hparams)
+  result = driver.train(definition, task, config, hparams)
   summary = ', '.join(f'{k}={v:.4f}' for k, v in sorted(
       result.last_metrics.items()) if k.startswith(('train/loss', 'eval')))
   logging.info('finished round %d: %s', result.round_num, summary)

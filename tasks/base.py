@@ -112,6 +112,8 @@ class Task:
   # as train/client_*; None if the task does not model them.
   client_cost_fn: Optional[
       Callable[[tf.data.Dataset], Mapping[str, tf.Tensor]]] = None
+  # The data settings the task was built with (set by tasks.registry).
+  data_config: Optional[DataConfig] = None
 
   @property
   def num_train_clients(self) -> int:

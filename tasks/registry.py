@@ -1,5 +1,6 @@
 """Task names -> builders."""
 
+import dataclasses
 import sys
 from typing import Callable
 
@@ -46,4 +47,4 @@ def options(name: str) -> tuple[str, ...]:
 def build_task(name: str, config: base.DataConfig) -> base.Task:
   builder = _builder(name)
   config.validate()
-  return builder(config)
+  return dataclasses.replace(builder(config), data_config=config)

@@ -11,6 +11,8 @@ from typing import Any, Callable
 from tasks import base
 from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms.baselines import definition as baselines
+from tff_algos.algorithms.fedres import definition as fedres
+from tff_algos.algorithms.mixed import definition as mixed
 from tff_algos.algorithms.scaffold import definition as scaffold
 
 
@@ -33,6 +35,19 @@ ALGORITHMS: dict[str, Entry] = {
                       'SCAFFOLD (control variates on every variable)'),
     'fedpvr': Entry(scaffold.FedPvrSettings, scaffold.fedpvr,
                     'FedPVR (control variates on the last layers)'),
+    **{name: Entry(mixed.SETTINGS[name],
+                   lambda task, s, name=name: mixed.definition(name, task, s),
+                   summary)
+       for name, summary in (
+           (mixed.PARALLEL_TRAINING, 'Mixed FL: Parallel Training'),
+           (mixed.ONE_WAY_GT, 'Mixed FL: 1-way Gradient Transfer'),
+           (mixed.TWO_WAY_GT, 'Mixed FL: 2-way Gradient Transfer'))},
+    'fedres_naive': Entry(fedres.FedResSettings, fedres.fedres_naive,
+                          'FedResNaive'),
+    'fedres_sgd': Entry(fedres.FedResSettings, fedres.fedres_sgd,
+                        'FedResSGD'),
+    'fedres_avg': Entry(fedres.FedResAvgSettings, fedres.fedres_avg,
+                        'FedResAvg (Option I or II)'),
 }
 NAMES = tuple(ALGORITHMS)
 

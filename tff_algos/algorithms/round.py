@@ -70,13 +70,15 @@ class ClientResult:
 class CentralWork:
   """Work at the server on central data (mixed FL), once per round.
 
-  `run(server_state, central_data) -> result` where `central_data` is the
-  round's central batches (None for a data-free central loss). With
-  `before_clients` its result is part of what the server broadcasts (1-w GT's
-  central gradient), so it runs before the clients; otherwise it runs with
-  the server update, after the aggregation.
+  `run(context, server_state, central_data) -> result` where `context` is
+  what `context()` built (the central model's variables, once per
+  computation) and `central_data` the round's central batches (None for a
+  data-free central loss). With `before_clients` its result is part of what
+  the server broadcasts (1-w GT's central gradient), so it runs before the
+  clients; otherwise it runs with the server update, after the aggregation.
   """
-  run: Callable[[Any, Optional[tf.data.Dataset]], Any]
+  context: Callable[[], Any]
+  run: Callable[[Any, Any, Optional[tf.data.Dataset]], Any]
   before_clients: bool
   uses_data: bool
 

@@ -28,12 +28,23 @@ class SettingError(ValueError):
     super().__init__(f'{name} {problem}')
 
 
+POSITIVE = 'positive'
+NON_NEGATIVE = 'non_negative'
+
+
 def setting(default: Any, help_text: str,
-            choices: Optional[Sequence[Any]] = None) -> Any:
-  """A settings field: its default, flag help and allowed values."""
+            choices: Optional[Sequence[Any]] = None,
+            bound: Optional[str] = None) -> Any:
+  """A settings field: its default, flag help and allowed values.
+
+  `bound` is POSITIVE or NON_NEGATIVE for numbers that must be finite and
+  > 0 or >= 0.
+  """
   metadata = {'help': help_text}
   if choices is not None:
     metadata['choices'] = tuple(choices)
+  if bound is not None:
+    metadata['bound'] = bound
   return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -44,7 +55,7 @@ def client_optimizer():
 
 
 def client_learning_rate():
-  return setting(0.01, 'Client learning rate eta.')
+  return setting(0.01, 'Client learning rate eta.', bound=POSITIVE)
 
 
 def server_optimizer():
@@ -53,7 +64,7 @@ def server_optimizer():
 
 
 def server_learning_rate():
-  return setting(1.0, 'Server learning rate eta_s.')
+  return setting(1.0, 'Server learning rate eta_s.', bound=POSITIVE)
 
 
 def client_weighting():
@@ -63,7 +74,7 @@ def client_weighting():
 
 
 def check(settings) -> None:
-  """Validates every field: choices, and rates that must be finite and > 0.
+  """Validates every field's choices and bounds.
 
   Called from each settings class's __post_init__; classes add their own
   checks after it.
@@ -74,8 +85,11 @@ def check(settings) -> None:
     if choices is not None and value not in choices:
       raise SettingError(field.name, f'={value!r} is unknown; allowed: '
                          + ', '.join(str(c) for c in choices))
-    if field.name.endswith('learning_rate'):
+    bound = field.metadata.get('bound')
+    if bound == POSITIVE:
       positive(field.name, value)
+    elif bound == NON_NEGATIVE:
+      non_negative(field.name, value)
 
 
 def positive(name: str, value: float) -> None:

@@ -16,6 +16,7 @@ runtime resumes under the other.
 """
 
 import collections
+import functools
 from typing import Optional
 
 import numpy as np
@@ -75,7 +76,8 @@ class NativeProcess:
     self._server_update = tf.function(definition.server_update)
     self._central = None
     if definition.central is not None:
-      self._central = tf.function(definition.central.run)
+      self._central = tf.function(functools.partial(
+          definition.central.run, definition.central.context()))
       if definition.central.uses_data:
         self._server_dataset = tf.function(
             graph_mode_dataset_fn(data.server_dataset_fn), autograph=False)

@@ -137,7 +137,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     def central_comp(state, seed):
       elements = (data.server_dataset_fn(seed) if central.uses_data
                   else None)
-      return central.run(state, elements)
+      return central.run(central.context(), state, elements)
 
     central_type = central_comp.type_signature.result
 
@@ -207,7 +207,8 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     if central is not None and not central.before_clients:
       elements = (data.server_dataset_fn(inputs['round']['server_seed'])
                   if central.uses_data else None)
-      central_result = central.run(inputs['state'], elements)
+      central_result = central.run(central.context(), inputs['state'],
+                                   elements)
     new_state, algorithm_metrics = definition.server_update(
         inputs['state'], aggregates, central_result)
     metrics = collections.OrderedDict(

@@ -1,0 +1,199 @@
+"""FedResNaive, FedResSGD and FedResAvg as round definitions (papers/000
+Algorithms 2-4).
+
+The math is in `math`:
+
+  server state  <global_model_weights=w[, control=c]>
+  client state  <local_model=theta_i[, control=c_i]>
+  message       <global_weights=w[, control=c]>
+  client sends  w_i - w (uniform mean), c_i+ - c_i (Option II, summed),
+                its loss sum and example count
+  server        w <- w + alpha * mean_S(w_i - w)   (alpha = 1 for Naive, SGD)
+                c <- c + sum_S(c_i+ - c_i) / N     (SCAFFOLD's |S|/N rule)
+
+theta_i (and Option II's c_i) is persistent client state: read and written
+by the client's own computation, never sent or aggregated. Only sampled
+clients run, so only they update theta_i. Clients are weighted uniformly, as
+in the paper's objective (1/N) sum_i L_i.
+"""
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tasks import base
+from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms import settings as settings_lib
+from tff_algos.algorithms.fedres import evaluation
+from tff_algos.algorithms.fedres import export
+from tff_algos.algorithms.fedres import math
+
+ModelWeights = tff.learning.models.ModelWeights
+OPTIONS = (1, 2)
+RESIDUAL_TASKS_HINT = 'fedres_toy, fedres_logistic, movielens_ratings'
+
+
+@dataclasses.dataclass(frozen=True)
+class FedResSettings:
+  client_learning_rate: float = settings_lib.client_learning_rate()
+  local_learning_rate: float = settings_lib.setting(
+      0.01, 'FedRes: lambda, the SGD learning rate of the local models.',
+      bound=settings_lib.NON_NEGATIVE)
+  fedres_fit_unseen: bool = settings_lib.setting(
+      False, 'FedRes personalized eval: fit a never-sampled client\'s local '
+      'model for K steps on its train data.')
+
+  def __post_init__(self):
+    settings_lib.check(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class FedResAvgSettings(FedResSettings):
+  fedres_option: int = settings_lib.setting(
+      2, 'FedResAvg: option 1 (no control variates) or 2 (control '
+      'variates).', OPTIONS)
+  fedres_alpha: float = settings_lib.setting(
+      1.0, 'FedResAvg: alpha, the server step on the mean client delta.',
+      bound=settings_lib.POSITIVE)
+
+
+def hyperparameters(variant: str, task: base.Task,
+                    settings: FedResSettings) -> math.Hyperparameters:
+  if task.residual_spec is None:
+    raise settings_lib.SettingError(
+        'algorithm', f'=fedres_{variant} needs a task with a global + local '
+        f'(residual) model; --task={task.name} has none (tasks with one: '
+        f'{RESIDUAL_TASKS_HINT})')
+  is_avg = isinstance(settings, FedResAvgSettings)
+  return math.Hyperparameters(
+      variant=variant,
+      learning_rate=settings.client_learning_rate,
+      local_learning_rate=settings.local_learning_rate,
+      option=settings.fedres_option if is_avg else 1,
+      server_step=settings.fedres_alpha if is_avg else 1.0,
+      num_train_clients=task.num_train_clients)
+
+
+def initial_weights(spec) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """(w_0, theta_0) of freshly built models; theta_0 is every client's."""
+  global_model = spec.global_model_fn()
+  local_model = spec.local_model_fn()
+  if global_model.non_trainable_weights or local_model.non_trainable_weights:
+    raise ValueError('FedRes models with non-trainable weights (e.g. batch '
+                     'norm statistics) are not supported')
+  return ([v.numpy() for v in global_model.trainable_variables],
+          [v.numpy() for v in local_model.trainable_variables])
+
+
+def definition(variant: str, task: base.Task,
+               settings: FedResSettings) -> round_lib.RoundDefinition:
+  hparams = hyperparameters(variant, task, settings)
+  spec = task.residual_spec
+  initial_global, initial_local = initial_weights(spec)
+
+  def initial_server_state():
+    state = collections.OrderedDict(global_model_weights=ModelWeights(
+        trainable=[tf.constant(w) for w in initial_global], non_trainable=[]))
+    if hparams.uses_control:
+      state['control'] = [tf.zeros_like(w) for w in initial_global]
+    return state
+
+  def broadcast(state, central):
+    del central
+    message = collections.OrderedDict(
+        global_weights=state['global_model_weights'].trainable)
+    if hparams.uses_control:
+      message['control'] = state['control']
+    return message
+
+  def client_update(model, message, dataset, client_state):
+    output = math.client_round(model, hparams, dataset, client_state,
+                               message['global_weights'],
+                               message.get('control'))
+    sums = collections.OrderedDict()
+    if hparams.uses_control:
+      sums['control_delta'] = output['control_delta']
+    return round_lib.ClientResult(
+        model_update=output['weights_delta'], weight=tf.constant(1.0),
+        sums=sums, metrics=collections.OrderedDict(
+            loss_sum=output['loss_sum'], num_examples=output['num_examples']),
+        state=output['state'])
+
+  def server_update(state, aggregates, central):
+    del central
+    new_state = collections.OrderedDict(global_model_weights=ModelWeights(
+        trainable=math.server_weights_update(
+            state['global_model_weights'].trainable,
+            aggregates['model_update'], hparams.server_step),
+        non_trainable=[]))
+    if hparams.uses_control:
+      new_state['control'] = math.server_control_update(
+          state['control'], aggregates['sums']['control_delta'],
+          hparams.num_train_clients)
+    return new_state, collections.OrderedDict()
+
+  def finalize_metrics(sums):
+    return collections.OrderedDict(
+        loss=sums['loss_sum'] / tf.cast(tf.maximum(sums['num_examples'], 1),
+                                        tf.float32),
+        num_examples=sums['num_examples'])
+
+  def initial_client_state():
+    return math.initial_client_state(
+        hparams, [tf.constant(w) for w in initial_local],
+        [tf.constant(w) for w in initial_global])
+
+  return round_lib.RoundDefinition(
+      name=f'fedres_{variant}', settings=settings,
+      initial_server_state=initial_server_state, broadcast=broadcast,
+      client_context=lambda: math.ResidualModel(spec),
+      client_update=client_update, reset_client=lambda model: None,
+      server_update=server_update, finalize_metrics=finalize_metrics,
+      initial_client_state=initial_client_state,
+      personalization=_personalization(task, settings, initial_local))
+
+
+def _local_weights_of(client_state) -> list[Any]:
+  return client_state['local_model']
+
+
+def _personalization(task: base.Task, settings: FedResSettings,
+                     initial_local: list[np.ndarray]
+                     ) -> round_lib.Personalization:
+  evaluators = []  # Built on first use: Keras models for in-process eval.
+
+  def evaluate(server_state, states):
+    if task.personal_eval_data is None:
+      return {}
+    if not evaluators:
+      evaluators.append(evaluation.PersonalizedEvaluator(
+          task.residual_spec, task.personal_eval_data,
+          settings.local_learning_rate, settings.fedres_fit_unseen))
+    return evaluators[0](server_state['global_model_weights'].trainable,
+                         states, _local_weights_of)
+
+  def export_models(server_state, states, export_dir):
+    export.export_personal_models(
+        task, server_state['global_model_weights'].trainable, states,
+        _local_weights_of, initial_local, export_dir)
+
+  return round_lib.Personalization(evaluate=evaluate, export=export_models)
+
+
+def fedres_naive(task, settings: FedResSettings):
+  """FedResNaive (papers/000 Algorithm 2)."""
+  return definition('naive', task, settings)
+
+
+def fedres_sgd(task, settings: FedResSettings):
+  """FedResSGD (papers/000 Algorithm 3)."""
+  return definition('sgd', task, settings)
+
+
+def fedres_avg(task, settings: FedResAvgSettings):
+  """FedResAvg, Option I or II (papers/000 Algorithm 4)."""
+  return definition('avg', task, settings)

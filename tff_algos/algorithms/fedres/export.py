@@ -1,0 +1,167 @@
+"""Export of FedRes personal models, and serving a client's prediction.
+
+Beside the global SavedModel that the driver writes to `export/`, FedRes adds
+
+  export/local_models.sqlite   every client's theta_i (the local-model store)
+  export/personalized/         a SavedModel whose `serving_default` takes the
+                               task's serving input plus one client's
+                               `local_weights` and returns the personalized
+                               prediction f_w(x_g) + f_theta(x_l)
+
+`local_models.sqlite` has tables `local_models(client_id, local_weights)` and
+`metadata(key, value)`; a `local_weights` blob is the local model's variables
+flattened in order and concatenated, little-endian float32 (metadata
+`variable_shapes` gives the shapes, `initial_local_weights` the theta of a
+client without a row). `serve_personalized` puts the two together.
+"""
+
+import json
+import os
+import shutil
+import sqlite3
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from pipeline.errors import UsageError
+from tasks import base
+from tff_algos.algorithms.fedres import math as fedres_tf
+
+LOCAL_MODELS_FILE = 'local_models.sqlite'
+PERSONALIZED_DIR = 'personalized'
+_INITIAL_KEY = 'initial_local_weights'
+_SHAPES_KEY = 'variable_shapes'
+
+
+def flatten_weights(weights: Sequence[np.ndarray]) -> np.ndarray:
+  return np.concatenate(
+      [np.asarray(w, np.float32).reshape(-1) for w in weights]).astype('<f4')
+
+
+def export_personal_models(task: base.Task,
+                           global_weights: Sequence[np.ndarray], store,
+                           local_weights_of: Callable[[Any], Sequence[Any]],
+                           initial_local_weights: Sequence[np.ndarray],
+                           export_dir: str) -> None:
+  """Writes the local-model store and the personalized SavedModel."""
+  _write_local_models(os.path.join(export_dir, LOCAL_MODELS_FILE), store,
+                      local_weights_of, initial_local_weights)
+  _save_personalized_model(task, global_weights,
+                           os.path.join(export_dir, PERSONALIZED_DIR))
+
+
+def _write_local_models(path: str, store, local_weights_of,
+                        initial_local_weights) -> None:
+  staging = path + '.staging'
+  if os.path.exists(staging):
+    os.remove(staging)
+  connection = sqlite3.connect(staging)
+  try:
+    with connection:
+      connection.execute('CREATE TABLE local_models (client_id TEXT PRIMARY '
+                         'KEY, local_weights BLOB NOT NULL)')
+      connection.execute('CREATE TABLE metadata (key TEXT PRIMARY KEY, '
+                         'value BLOB NOT NULL)')
+      connection.execute(
+          'INSERT INTO metadata VALUES (?, ?)',
+          (_SHAPES_KEY, json.dumps(
+              [list(np.shape(w)) for w in initial_local_weights])))
+      connection.execute(
+          'INSERT INTO metadata VALUES (?, ?)',
+          (_INITIAL_KEY, flatten_weights(initial_local_weights).tobytes()))
+      connection.executemany(
+          'INSERT INTO local_models VALUES (?, ?)',
+          ((client_id, flatten_weights(local_weights_of(state)).tobytes())
+           for client_id, state in store.items()))
+  finally:
+    connection.close()
+  os.replace(staging, path)
+
+
+def _save_personalized_model(task: base.Task,
+                             global_weights: Sequence[np.ndarray],
+                             path: str) -> None:
+  spec = task.residual_spec
+  serving = task.serving
+  model = fedres_tf.ResidualModel(spec)
+  fedres_tf.assign(model.global_weights, global_weights)
+  local_variables = model.local_weights
+  sizes = [int(np.prod(v.shape)) for v in local_variables]
+  module = tf.Module()
+  module.global_model = model.global_model
+  module.local_model = model.local_model
+
+  @tf.function(input_signature=[
+      tf.TensorSpec(serving.input_spec.shape, serving.input_spec.dtype,
+                    name=serving.input_name),
+      tf.TensorSpec([sum(sizes)], tf.float32, name='local_weights')])
+  def serve(inputs, local_weights):
+    # One client's theta is an input, so the export serves every client; it
+    # is written into the local model's variables before they are read.
+    for variable, piece in zip(local_variables,
+                               tf.split(local_weights, sizes)):
+      variable.assign(tf.reshape(piece, variable.shape))
+    return dict(serving.postprocess(
+        model.outputs(serving.preprocess(inputs), training=False)))
+
+  module.serve = serve
+  staging = path + '.staging'
+  shutil.rmtree(staging, ignore_errors=True)
+  tf.saved_model.save(module, staging, signatures={'serving_default': serve})
+  shutil.rmtree(path, ignore_errors=True)
+  os.rename(staging, path)
+
+
+def local_weights_for(export_dir: str, client_id: str) -> tuple[np.ndarray, bool]:
+  """(flat theta of `client_id`, whether the export has a row for it)."""
+  path = os.path.join(export_dir, LOCAL_MODELS_FILE)
+  if not os.path.isfile(path):
+    raise UsageError(f'{export_dir} has no {LOCAL_MODELS_FILE}: not the '
+                     'export of a FedRes run')
+  connection = sqlite3.connect(f'file:{path}?mode=ro', uri=True)
+  try:
+    row = connection.execute(
+        'SELECT local_weights FROM local_models WHERE client_id = ?',
+        (client_id,)).fetchone()
+    if row is None:
+      row = connection.execute('SELECT value FROM metadata WHERE key = ?',
+                               (_INITIAL_KEY,)).fetchone()
+      return np.frombuffer(row[0], '<f4').astype(np.float32), False
+    return np.frombuffer(row[0], '<f4').astype(np.float32), True
+  finally:
+    connection.close()
+
+
+class PersonalizedServer:
+  """Serves personalized predictions from a FedRes export (loaded once)."""
+
+  def __init__(self, export_dir: str):
+    model_dir = os.path.join(export_dir, PERSONALIZED_DIR)
+    if not os.path.isfile(os.path.join(model_dir, 'saved_model.pb')):
+      raise UsageError(f'{export_dir} has no {PERSONALIZED_DIR}/ SavedModel: '
+                       'not the export of a FedRes run')
+    self._export_dir = export_dir
+    self._loaded = tf.saved_model.load(model_dir)
+    self._signature = self._loaded.signatures['serving_default']
+    input_specs = dict(self._signature.structured_input_signature[1])
+    input_specs.pop('local_weights')
+    (self._input_name, self._input_spec), = input_specs.items()
+
+  def __call__(self, client_id: str, inputs) -> Mapping[str, np.ndarray]:
+    """Predictions of `client_id`'s personalized model on serving `inputs`.
+
+    A client without a stored local model gets the initial one, i.e. the
+    global model's prediction plus the initial local model's.
+    """
+    local_weights, _ = local_weights_for(self._export_dir, client_id)
+    outputs = self._signature(**{
+        self._input_name: tf.constant(inputs, self._input_spec.dtype),
+        'local_weights': tf.constant(local_weights)})
+    return {name: value.numpy() for name, value in outputs.items()}
+
+
+def serve_personalized(export_dir: str, client_id: str,
+                       inputs) -> Mapping[str, np.ndarray]:
+  """One-off `PersonalizedServer(export_dir)(client_id, inputs)`."""
+  return PersonalizedServer(export_dir)(client_id, inputs)

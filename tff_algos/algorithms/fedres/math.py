@@ -1,0 +1,385 @@
+"""TF math of Federated Residual Learning (papers/000, Algorithms 2-4).
+
+Plain TensorFlow over a `ResidualModel` (a global and a local Keras model
+whose outputs add) and one client's dataset. `definition` declares the
+round around these functions, and the personalized evaluation runs them
+in-process, so they are testable without TFF.
+
+Notation: w global weights, theta a client's local weights, eta the client
+learning rate of w, lambda the learning rate of theta, c and c_i the server
+and client control variates of FedResAvg Option II. One pass over a client's
+dataset is K mini-batches (K_i when the client has less data; the formulas use
+the actual count). Steps that the paper writes as "sample a mini-batch" draw
+the batches of a fresh pass over the dataset.
+"""
+
+import collections
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from tasks import residual
+
+
+class ResidualModel:
+  """f_w(x_g) + f_theta(x_l): the Keras models FedRes computes with."""
+
+  def __init__(self, spec: residual.ResidualModelSpec):
+    self.global_model = spec.global_model_fn()
+    self.local_model = spec.local_model_fn()
+    self._split_inputs = spec.split_inputs
+    self.loss_fn = spec.loss_fn()
+
+  @property
+  def global_weights(self) -> list[tf.Variable]:
+    return self.global_model.trainable_variables
+
+  @property
+  def local_weights(self) -> list[tf.Variable]:
+    return self.local_model.trainable_variables
+
+  def outputs(self, x, training: bool = True) -> tf.Tensor:
+    global_inputs, local_inputs = self._split_inputs(x)
+    return (self.global_model(global_inputs, training=training) +
+            self.local_model(local_inputs, training=training))
+
+  def batch_loss(self, batch) -> tf.Tensor:
+    x, y = batch
+    return self.loss_fn(y, self.outputs(x))
+
+
+def num_examples_in(batch) -> tf.Tensor:
+  return tf.shape(tf.nest.flatten(batch[1])[0], out_type=tf.int64)[0]
+
+
+def _dense_gradients(tape, loss, variables) -> list[tf.Tensor]:
+  # Embedding gradients arrive as IndexedSlices; control variates and
+  # averaged deltas are dense anyway. Some ops lose the static shape, which
+  # the loop states below must keep.
+  return [tf.zeros_like(v) if g is None else
+          tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
+          for v, g in zip(variables, tape.gradient(loss, variables))]
+
+
+def assign(variables: Sequence[tf.Variable], values) -> None:
+  for variable, value in zip(variables, values, strict=True):
+    variable.assign(value)
+
+
+def _read(variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
+  return [tf.identity(v.read_value()) for v in variables]
+
+
+# How the code below runs. Each per-batch step is its own tf.function. A
+# client update loops over the dataset calling them: inside a graph (a TFF
+# computation) the whole update is one tf.function whose loops AutoGraph turns
+# into while loops; called eagerly (in-process rounds and evaluation) the loop
+# runs in Python and each step is one compiled call. Both run the same steps;
+# the eager path avoids making a dataset iterator inside a graph per client,
+# which costs far more than the steps of a small model.
+
+
+def _step(fn):
+  # Batch shapes vary (last batch, client sizes): trace once for any shape.
+  return tf.function(fn, reduce_retracing=True)
+
+
+def _graph_or_eager(fn):
+  """`fn` as one tf.function inside a graph, plain Python when eager."""
+  compiled = tf.function(fn)
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    if tf.executing_eagerly():
+      return fn(*args, **kwargs)
+    return compiled(*args, **kwargs)
+
+  return run
+
+
+@_step
+def _local_step(model: ResidualModel, batch, local_learning_rate: float):
+  """theta <- theta - lambda grad_theta l(w, theta), w fixed. -> (loss, n)."""
+  with tf.GradientTape() as tape:
+    loss = model.batch_loss(batch)
+  gradients = _dense_gradients(tape, loss, model.local_weights)
+  for variable, gradient in zip(model.local_weights, gradients):
+    variable.assign_sub(local_learning_rate * gradient)
+  return loss, num_examples_in(batch)
+
+
+@_step
+def _joint_step(model: ResidualModel, batch, learning_rate: float,
+                local_learning_rate: float):
+  """FedResNaive: w_i and theta step together from one gradient at (w_i,
+  theta). The paper calls the two updates simultaneous, so theta chases the
+  temporary w_i that the server's averaging later overwrites. -> (loss, n)."""
+  variables = model.global_weights + model.local_weights
+  with tf.GradientTape() as tape:
+    loss = model.batch_loss(batch)
+  gradients = _dense_gradients(tape, loss, variables)
+  num_global = len(model.global_weights)
+  for i, (variable, gradient) in enumerate(zip(variables, gradients)):
+    rate = learning_rate if i < num_global else local_learning_rate
+    variable.assign_sub(rate * gradient)
+  return loss, num_examples_in(batch)
+
+
+@_step
+def _global_gradient(model: ResidualModel, batch):
+  """(grad_w l(w, theta), n) at the model's current weights."""
+  with tf.GradientTape() as tape:
+    loss = model.batch_loss(batch)
+  return (tuple(_dense_gradients(tape, loss, model.global_weights)),
+          num_examples_in(batch))
+
+
+@_step
+def _corrected_global_step(model: ResidualModel, batch, learning_rate: float,
+                           correction):
+  """w_i <- w_i - eta (g - c_i + c) with g = grad_w l(w_i, theta), theta
+  fixed; `correction` is c - c_i (None: Option I). -> g."""
+  with tf.GradientTape() as tape:
+    loss = model.batch_loss(batch)
+  gradients = _dense_gradients(tape, loss, model.global_weights)
+  directions = gradients if correction is None else [
+      g + c for g, c in zip(gradients, correction)]
+  for variable, direction in zip(model.global_weights, directions):
+    variable.assign_sub(learning_rate * direction)
+  return tuple(gradients)
+
+
+@_step
+def _evaluation_step(model: ResidualModel, batch, loss_metric, metrics):
+  x, y = batch
+  outputs = model.outputs(x, training=False)
+  loss_metric.update_state(
+      model.loss_fn(y, outputs),
+      sample_weight=tf.cast(num_examples_in(batch), tf.float32))
+  for metric in metrics:
+    metric.update_state(y, outputs)
+
+
+def _zero_stats():
+  # (sum of per-example losses, examples, steps) of a pass.
+  return (tf.constant(0.0), tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+
+
+def _add_batch(stats, loss, n):
+  loss_sum, num_examples, num_steps = stats
+  return (loss_sum + loss * tf.cast(n, tf.float32), num_examples + n,
+          num_steps + 1)
+
+
+def _local_steps(model: ResidualModel, dataset: tf.data.Dataset,
+                 local_learning_rate: float):
+  """Step 1 of FedResSGD/FedResAvg: one `_local_step` per batch. Returns the
+  pass's (loss sum, examples, steps), losses taken before each step."""
+  stats = _zero_stats()
+  for batch in dataset:
+    loss, n = _local_step(model, batch, local_learning_rate)
+    stats = _add_batch(stats, loss, n)
+  return stats
+
+
+def _joint_steps(model: ResidualModel, dataset: tf.data.Dataset,
+                 learning_rate: float, local_learning_rate: float):
+  stats = _zero_stats()
+  for batch in dataset:
+    loss, n = _joint_step(model, batch, learning_rate, local_learning_rate)
+    stats = _add_batch(stats, loss, n)
+  return stats
+
+
+def _large_batch_gradient(model: ResidualModel, dataset: tf.data.Dataset):
+  """grad_w of the average loss over one pass (K mini-batches = one batch K
+  times larger), at the model's current (w, theta). Returns (gradient, K)."""
+  weighted_sums = tuple(tf.zeros_like(v) for v in model.global_weights)
+  num_examples = tf.constant(0, tf.int64)
+  num_steps = tf.constant(0, tf.int64)
+  for batch in dataset:
+    gradients, n = _global_gradient(model, batch)
+    weighted_sums = tuple(s + tf.cast(n, tf.float32) * g
+                          for s, g in zip(weighted_sums, gradients))
+    num_examples += n
+    num_steps += 1
+  denominator = tf.cast(tf.maximum(num_examples, 1), tf.float32)
+  return [s / denominator for s in weighted_sums], num_steps
+
+
+def _corrected_global_steps(model: ResidualModel, dataset: tf.data.Dataset,
+                            learning_rate: float,
+                            correction: Optional[Sequence[tf.Tensor]]):
+  """Step 2 of FedResAvg: one `_corrected_global_step` per batch. Returns
+  (sum of the g's, K)."""
+  gradient_sums = tuple(tf.zeros_like(v) for v in model.global_weights)
+  num_steps = tf.constant(0, tf.int64)
+  for batch in dataset:
+    gradients = _corrected_global_step(model, batch, learning_rate,
+                                       correction)
+    gradient_sums = tuple(s + g for s, g in zip(gradient_sums, gradients))
+    num_steps += 1
+  return list(gradient_sums), num_steps
+
+
+def _client_result(weights_delta, local_weights, stats, **extra):
+  loss_sum, num_examples, _ = stats
+  return collections.OrderedDict(
+      weights_delta=weights_delta, local_weights=local_weights,
+      loss_sum=loss_sum, num_examples=num_examples, **extra)
+
+
+def _start(model: ResidualModel, global_weights, local_weights) -> None:
+  assign(model.global_weights, global_weights)
+  assign(model.local_weights, local_weights)
+
+
+@_graph_or_eager
+def naive_client_update(model: ResidualModel, dataset: tf.data.Dataset,
+                        global_weights, local_weights, learning_rate: float,
+                        local_learning_rate: float):
+  """FedResNaive (Algorithm 2) on one client."""
+  _start(model, global_weights, local_weights)
+  stats = _joint_steps(model, dataset, learning_rate, local_learning_rate)
+  delta = [v - w for v, w in zip(_read(model.global_weights), global_weights)]
+  return _client_result(delta, _read(model.local_weights), stats)
+
+
+@_graph_or_eager
+def sgd_client_update(model: ResidualModel, dataset: tf.data.Dataset,
+                      global_weights, local_weights, learning_rate: float,
+                      local_learning_rate: float):
+  """FedResSGD (Algorithm 3) on one client: Step 1, then one step on w with
+  the large-batch gradient at (w, theta'): w_i - w = -eta K grad_w."""
+  _start(model, global_weights, local_weights)
+  stats = _local_steps(model, dataset, local_learning_rate)
+  gradient, num_steps = _large_batch_gradient(model, dataset)
+  scale = learning_rate * tf.cast(num_steps, tf.float32)
+  delta = [-scale * g for g in gradient]
+  return _client_result(delta, _read(model.local_weights), stats)
+
+
+@_graph_or_eager
+def avg_client_update(model: ResidualModel, dataset: tf.data.Dataset,
+                      global_weights, local_weights, learning_rate: float,
+                      local_learning_rate: float, correction=None):
+  """FedResAvg (Algorithm 4) on one client: Step 1, then K corrected steps on
+  a copy of w with theta fixed. Also returns the mean of the K gradients
+  (Option II's new c_i) and K."""
+  _start(model, global_weights, local_weights)
+  stats = _local_steps(model, dataset, local_learning_rate)
+  local_after_step1 = _read(model.local_weights)
+  gradient_sums, num_steps = _corrected_global_steps(
+      model, dataset, learning_rate, correction)
+  delta = [v - w for v, w in zip(_read(model.global_weights), global_weights)]
+  denominator = tf.cast(tf.maximum(num_steps, 1), tf.float32)
+  return _client_result(
+      delta, local_after_step1, stats,
+      mean_gradient=[s / denominator for s in gradient_sums],
+      num_global_steps=num_steps)
+
+
+def control_correction(server_control, client_control) -> list[tf.Tensor]:
+  """c - c_i, added to every local gradient of FedResAvg Option II."""
+  return [c - ci for c, ci in zip(server_control, client_control)]
+
+
+def updated_client_control(client_control, mean_gradient, num_steps):
+  """Option II: c_i+ = (1/K) sum_k g_k; a client without data keeps c_i.
+
+  Returns (c_i+, c_i+ - c_i)."""
+  took_steps = num_steps > 0
+  new_control = [tf.where(took_steps, g, c)
+                 for g, c in zip(mean_gradient, client_control)]
+  return new_control, [n - c for n, c in zip(new_control, client_control)]
+
+
+def server_weights_update(global_weights, mean_delta, server_step: float):
+  """w <- w + alpha * mean_i (w_i - w) (alpha = 1 for Naive and SGD)."""
+  return [w + server_step * d for w, d in zip(global_weights, mean_delta)]
+
+
+def server_control_update(server_control, control_delta_sum,
+                          num_train_clients: int):
+  """c <- c + (|S|/N) mean_{i in S} (c_i+ - c_i) = c + sum_S (c_i+ - c_i) / N.
+
+  SCAFFOLD's rule under client sampling; with every client sampled and c
+  starting at mean_i c_i it is the paper's c <- mean_i c_i."""
+  return [c + d / float(num_train_clients)
+          for c, d in zip(server_control, control_delta_sum)]
+
+
+def fit_local_model(model: ResidualModel, dataset: tf.data.Dataset,
+                    local_learning_rate: float):
+  """Step 1 alone (w fixed), in-process: fits one client's local model."""
+  return _local_steps(model, dataset, local_learning_rate)
+
+
+def accumulate_metrics(model: ResidualModel, dataset: tf.data.Dataset,
+                       loss_metric: tf.keras.metrics.Mean,
+                       metrics: Sequence[tf.keras.metrics.Metric]) -> None:
+  """Adds the model's predictions on `dataset` to example-weighted metrics
+  (in-process)."""
+  for batch in dataset:
+    _evaluation_step(model, batch, loss_metric, metrics)
+
+
+VARIANTS = ('naive', 'sgd', 'avg')
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+  """What one FedRes round needs besides the data and the states."""
+  variant: str  # One of VARIANTS.
+  learning_rate: float  # eta
+  local_learning_rate: float  # lambda
+  option: int = 1  # FedResAvg: 1 (c = c_i = 0) or 2 (control variates).
+  server_step: float = 1.0  # alpha; 1 for Naive and SGD.
+  num_train_clients: int = 1  # N of the |S|/N rule.
+
+  @property
+  def uses_control(self) -> bool:
+    return self.variant == 'avg' and self.option == 2
+
+
+def initial_client_state(hparams: Hyperparameters, initial_local_weights,
+                         global_weights_like):
+  """<local_model=theta_0[, control=0]> (c_i = 0, so round 1 of Option II is
+  Option I's)."""
+  state = collections.OrderedDict(local_model=list(initial_local_weights))
+  if hparams.uses_control:
+    state['control'] = [tf.zeros_like(w) for w in global_weights_like]
+  return state
+
+
+def client_round(model: ResidualModel, hparams: Hyperparameters,
+                 dataset: tf.data.Dataset, client_state, global_weights,
+                 server_control=None):
+  """One sampled client's round of the chosen variant.
+
+  Returns <state=new client state, weights_delta=w_i - w,
+  [control_delta=c_i+ - c_i,] loss_sum, num_examples>; only `state` stays on
+  the client.
+  """
+  args = (model, dataset, global_weights, client_state['local_model'],
+          hparams.learning_rate, hparams.local_learning_rate)
+  if hparams.variant == 'naive':
+    result = naive_client_update(*args)
+  elif hparams.variant == 'sgd':
+    result = sgd_client_update(*args)
+  elif hparams.uses_control:
+    result = avg_client_update(*args, correction=control_correction(
+        server_control, client_state['control']))
+  else:
+    result = avg_client_update(*args)
+  new_state = collections.OrderedDict(local_model=result['local_weights'])
+  output = collections.OrderedDict(
+      state=new_state, weights_delta=result['weights_delta'],
+      loss_sum=result['loss_sum'], num_examples=result['num_examples'])
+  if hparams.uses_control:
+    new_state['control'], output['control_delta'] = updated_client_control(
+        client_state['control'], result['mean_gradient'],
+        result['num_global_steps'])
+  return output

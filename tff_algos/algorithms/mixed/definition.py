@@ -1,0 +1,209 @@
+"""Mixed FL as round definitions: Parallel Training, 1-way and 2-way
+Gradient Transfer (papers/002 Algorithms 1 and 2, Appendix A).
+
+The math is in `math`. The central work runs at the server on the round's
+central batches (or on a data-free central loss), once per round: for 1-w GT
+before the clients (its gradient g_c is broadcast with x), for PT and 2-w GT
+with the server update.
+
+  server state  <global_model_weights=x, server_optimizer[, merge_optimizer]
+                 [, gtilde_c, gtilde_f]>      (augmenting gradients: 2-w GT)
+  message       <global_model_weights=x[, augmenting_gradient]>
+                 (1-w GT: g_c of the round; 2-w GT: gtilde_c)
+  client sends  x_i - x (model update, weighted by examples processed), its
+                metrics, and for 2-w GT x_i - x and K_i summed (eq. 10)
+
+ClientOpt and CentralOpt start fresh every round: the central model is a
+"meta-client" that, like the clients, takes K steps from x. Non-trainable
+weights are not trained; the server keeps its own (as tff.learning's FedAvg).
+
+Metrics: `train/*` (the model's metrics on the clients' batches), `central/
+loss` (mean unweighted central loss of the round) and `central/num_steps`,
+with `--mixed_diagnostics` `diagnostics/gtilde_squared` and
+`diagnostics/btilde_squared` (eq. 7).
+"""
+
+import collections
+import dataclasses
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_algos.algorithms import keras_model
+from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms import settings as settings_lib
+from tff_algos.algorithms.mixed import math
+
+PARALLEL_TRAINING = 'mixed_pt'
+ONE_WAY_GT = 'mixed_1wgt'
+TWO_WAY_GT = 'mixed_2wgt'
+NAMES = (PARALLEL_TRAINING, ONE_WAY_GT, TWO_WAY_GT)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneWayGtSettings:
+  """1-w GT: no central model; clients add the round's central gradient."""
+  client_optimizer: str = settings_lib.client_optimizer()
+  client_learning_rate: float = settings_lib.client_learning_rate()
+  server_optimizer: str = settings_lib.server_optimizer()
+  server_learning_rate: float = settings_lib.server_learning_rate()
+  central_batch_size: int = settings_lib.setting(500, 'Mixed FL: |B_c|.')
+  federated_weight: float = settings_lib.setting(
+      0.5, 'Mixed FL: w_f.', bound=settings_lib.NON_NEGATIVE)
+  central_weight: float = settings_lib.setting(
+      0.5, 'Mixed FL: w_c.', bound=settings_lib.NON_NEGATIVE)
+  mixed_diagnostics: bool = settings_lib.setting(
+      False, 'Mixed FL: the sampled (G, B) approximations of eq. 7.')
+
+  def __post_init__(self):
+    settings_lib.check(self)
+    if self.central_batch_size < 1:
+      raise settings_lib.SettingError(
+          'central_batch_size', f'must be >= 1, got {self.central_batch_size}')
+    if self.mixed_diagnostics and not (self.federated_weight > 0 and
+                                       self.central_weight > 0):
+      raise settings_lib.SettingError(
+          'mixed_diagnostics', 'needs --federated_weight > 0 and '
+          '--central_weight > 0 (eq. 7 divides by both)')
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelTrainingSettings(OneWayGtSettings):
+  """PT: a central model takes K steps from x in parallel with the clients."""
+  central_optimizer: str = settings_lib.setting(
+      'sgd', 'Mixed FL: CentralOpt.', settings_lib.OPTIMIZERS)
+  central_learning_rate: float = settings_lib.setting(
+      0.01, 'Mixed FL: eta_c.', bound=settings_lib.POSITIVE)
+  merge_optimizer: str = settings_lib.setting(
+      'sgd', 'Mixed FL: MergeOpt.', settings_lib.OPTIMIZERS)
+  merge_learning_rate: float = settings_lib.setting(
+      1.0, 'Mixed FL: eta_m.', bound=settings_lib.POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoWayGtSettings(ParallelTrainingSettings):
+  """2-w GT: PT plus augmenting gradients kept in the server state."""
+
+
+SETTINGS = {PARALLEL_TRAINING: ParallelTrainingSettings,
+            ONE_WAY_GT: OneWayGtSettings, TWO_WAY_GT: TwoWayGtSettings}
+
+
+@dataclasses.dataclass(eq=False)
+class _Models:
+  model: tff.learning.models.VariableModel
+
+
+def definition(name: str, task, settings) -> round_lib.RoundDefinition:
+  """The mixed FL algorithm `name` (one of NAMES) on `task`.
+
+  The task's data-free central loss (`Task.central_loss_fn`), when it has
+  one, replaces the loss on central batches.
+  """
+  if name not in NAMES:
+    raise ValueError(f'unknown mixed FL algorithm {name!r}')
+  if not isinstance(settings, SETTINGS[name]):
+    raise TypeError(f'{name} takes {SETTINGS[name].__name__}')
+  has_central_model = name != ONE_WAY_GT
+  keeps_augmenting_gradients = name == TWO_WAY_GT
+  central_steps = (task.data_config.client_steps
+                   if task.data_config is not None else None)
+  if has_central_model and central_steps is None:
+    raise settings_lib.SettingError(
+        'client_steps', f'(K) is needed by --algorithm={name}: its central '
+        'model takes K steps per round')
+  model_fn = task.model_fn
+  data_free = task.central_loss_fn is not None
+  round_settings = math.RoundSettings(
+      has_central_model=has_central_model,
+      transfers_gradients=name != PARALLEL_TRAINING,
+      keeps_augmenting_gradients=keeps_augmenting_gradients,
+      data_free=data_free, central_steps=central_steps,
+      federated_weight=settings.federated_weight,
+      central_weight=settings.central_weight,
+      client_learning_rate=settings.client_learning_rate,
+      central_learning_rate=getattr(settings, 'central_learning_rate', None),
+      diagnostics=settings.mixed_diagnostics)
+  client_optimizer = settings_lib.optimizer(settings.client_optimizer,
+                                            settings.client_learning_rate)
+  server_optimizer = settings_lib.optimizer(settings.server_optimizer,
+                                            settings.server_learning_rate)
+  central_optimizer = merge_optimizer = None
+  if has_central_model:
+    central_optimizer = settings_lib.optimizer(settings.central_optimizer,
+                                               settings.central_learning_rate)
+    merge_optimizer = settings_lib.optimizer(settings.merge_optimizer,
+                                             settings.merge_learning_rate)
+  central_loss = (math.DataFreeCentralLoss(task.central_loss_fn) if data_free
+                  else math.DataCentralLoss())
+  info = keras_model.model_info(model_fn)
+
+  def initial_server_state():
+    return math.initial_server_state(round_settings, model_fn(),
+                                     server_optimizer, merge_optimizer)
+
+  def run_central(models, state, central_batches):
+    return math.central_work(
+        round_settings, models.model, central_optimizer, central_loss,
+        state['global_model_weights'], state.get('gtilde_f'),
+        central_batches)
+
+  def broadcast(state, central):
+    message = collections.OrderedDict(
+        global_model_weights=state['global_model_weights'])
+    if name == ONE_WAY_GT:
+      message['augmenting_gradient'] = central['gradient']
+    elif name == TWO_WAY_GT:
+      message['augmenting_gradient'] = state['gtilde_c']
+    return message
+
+  def client_update(models, message, dataset, client_state):
+    del client_state
+    output = math.client_work(round_settings, models.model, client_optimizer,
+                              message, dataset)
+    upload = output['upload']
+    sums = collections.OrderedDict()
+    if keeps_augmenting_gradients:
+      sums['delta'] = upload['delta']
+      sums['num_steps'] = upload['num_steps']
+    measurements = collections.OrderedDict()
+    if settings.mixed_diagnostics:
+      measurements['first_gradient'] = output['first_gradient']
+    return round_lib.ClientResult(
+        model_update=upload['delta'], weight=upload['weight'], sums=sums,
+        measurements=measurements, metrics=upload['metrics'])
+
+  def server_update(state, aggregates, central):
+    sums = aggregates['sums']
+    new_state = math.server_update(
+        round_settings, server_optimizer, merge_optimizer, state, central,
+        aggregates['model_update'], aggregates['weight_sum'],
+        sums.get('delta'), sums.get('num_steps'))
+    metrics = collections.OrderedDict(central=collections.OrderedDict(
+        loss=central['loss'], num_steps=central['num_steps']))
+    if settings.mixed_diagnostics:
+      num_clients = tf.cast(aggregates['num_clients'], tf.float32)
+      federated_gradient = [
+          g / num_clients
+          for g in aggregates['measurements']['first_gradient']]
+      central_gradient = (central['first_gradient'] if has_central_model
+                          else central['gradient'])
+      metrics['diagnostics'] = math.mixing_diagnostics(
+          federated_gradient, list(central_gradient),
+          settings.federated_weight, settings.central_weight)
+    return new_state, metrics
+
+  return round_lib.RoundDefinition(
+      name=name, settings=settings,
+      initial_server_state=initial_server_state, broadcast=broadcast,
+      client_context=lambda: _Models(model_fn()),
+      client_update=client_update,
+      reset_client=lambda models: models.model.reset_metrics(),
+      server_update=server_update,
+      finalize_metrics=lambda sums: keras_model.finalize_metrics(
+          info.metric_finalizers, sums),
+      central=round_lib.CentralWork(
+          context=lambda: _Models(model_fn()), run=run_central,
+          before_clients=name == ONE_WAY_GT, uses_data=not data_free),
+      augmenting_message=(None if name == PARALLEL_TRAINING
+                          else 'augmenting_gradient'))
