@@ -141,7 +141,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
 
     central_type = central_comp.type_signature.result
 
-  def broadcast_fn(state, round_num, central_result=None):
+  def broadcast_fn(state, round_num, central_result):
     return collections.OrderedDict(
         message=definition.broadcast(state, central_result),
         round_num=round_num)
@@ -151,7 +151,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
         broadcast_fn, algorithm_state_type, np.int64, central_type)
   else:
     broadcast_comp = tff.tensorflow.computation(
-        lambda state, round_num: broadcast_fn(state, round_num),
+        lambda state, round_num: broadcast_fn(state, round_num, None),
         algorithm_state_type, np.int64)
   payload_type = broadcast_comp.type_signature.result
 
