@@ -108,8 +108,8 @@ def compare(old_dir: str, new_dir: str) -> tuple[str, str]:
         notes.append(f'{key}: {old_metrics[key][0]} -> {new_metrics[key][0]}')
       continue
     if old_metrics[key] != new_metrics[key]:
-      old = np.array(old_metrics[key], float)
-      new = np.array(new_metrics[key], float)
+      old = np.array([float(v or 'nan') for v in old_metrics[key]])
+      new = np.array([float(v or 'nan') for v in new_metrics[key]])
       problems.append(f'{key} max diff {np.max(np.abs(old - new)):.3g}')
   old_weights, new_weights = _weights(old_dir), _weights(new_dir)
   for i, (old, new) in enumerate(zip(old_weights, new_weights, strict=True)):

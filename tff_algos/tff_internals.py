@@ -3,9 +3,9 @@
 The project pins tensorflow-federated 0.87.0. These parts of it are not in
 its public API (`tff.*`) but are used here:
 
-- tff.learning's own client updates and its finalizer's rejection rule, so
-  FedAvg and FedSGD run exactly tff.learning's math inside this project's
-  rounds (clients by id, groups);
+- tff.learning's rules for non-finite values (a client's non-finite update
+  is zeroed with weight 0; the finalizer rejects a non-finite mean update),
+  so FedAvg and FedSGD compute exactly what tff.learning computes;
 - the mergeable execution context's two partitioning bugs, patched
   (`fix_mergeable_context_partitioning`);
 - the execution-context plumbing for already-running remote workers and the
@@ -25,22 +25,13 @@ if tff.__version__ != SUPPORTED_VERSION:
       f'{tff.__version__}')
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order,wrong-import-position
-from tensorflow_federated.python.learning.algorithms import fed_sgd
+from tensorflow_federated.python.learning import tensor_utils
 from tensorflow_federated.python.learning.templates import apply_optimizer_finalizer
-from tensorflow_federated.python.learning.templates import model_delta_client_work
 # pylint: enable=g-import-not-at-top,g-bad-import-order,wrong-import-position
 
-# FedAvg's client update: (optimizer, initial_weights, data[, hparams]) ->
-# (ClientResult(update = x - y, update_weight), unfinalized metrics).
-build_model_delta_update = (
-    model_delta_client_work.build_model_delta_update_with_tff_optimizer)
-
-
-def build_fed_sgd_client_update(model, loop_implementation):
-  """FedSGD's client update: (initial_weights, data) -> (ClientResult(
-  update = example-weighted mean gradient, update_weight), metrics)."""
-  return fed_sgd._build_client_update(  # pylint: disable=protected-access
-      model, loop_implementation=loop_implementation)
+# structure -> (structure with every value zeroed if any is not finite,
+# 1 if it was so else 0): what tff.learning's client updates apply.
+zero_all_if_any_non_finite = tensor_utils.zero_all_if_any_non_finite
 
 
 # (optimizer_state, update) -> (reject?, measurements): tff.learning's

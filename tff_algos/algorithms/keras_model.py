@@ -55,6 +55,13 @@ def assign_weights(model: tff.learning.models.VariableModel,
   return variables
 
 
+def num_examples(output: tff.learning.models.BatchOutput) -> tf.Tensor:
+  """Examples in a batch's forward pass (int64), as tff.learning counts."""
+  if output.num_examples is None:
+    return tf.shape(output.predictions, out_type=tf.int64)[0]
+  return tf.cast(output.num_examples, tf.int64)
+
+
 def finalize_metrics(metric_finalizers, summed_metrics):
   """`tff.learning.metrics.sum_then_finalize`'s finalization of the sums."""
   if callable(metric_finalizers):

@@ -20,13 +20,15 @@ A round, as both interpret it:
                                                             clients when the
                                                             broadcast needs it)
   message     = broadcast(state, central)                  at the server
-  per client  : result = client_update(context, message, dataset, state_i)
+  per client  : result = client_work over the client's batches (ClientWork)
                 state_i <- result.state                     (on the client)
   aggregates  = model_update: mean of result.model_update weighted by
                               result.weight (the model aggregator: a
                               tff.aggregators factory, default the mean)
                 sums:         sum over the cohort of every result.sums and
                               result.measurements entry (in the clear)
+                model_update_sum: the plain sum of the model updates, for
+                              algorithms that ask (in the clear)
                 num_clients, weight_sum
   state, m    = server_update(state, aggregates, central)
   metrics     = train: finalize_metrics(sum of result.metrics), m, ...
@@ -64,6 +66,38 @@ class ClientResult:
   measurements: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   # The client's new persistent state; None when the algorithm keeps none.
   state: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientWork:
+  """One client's update as steps over its batches; the runtime loops.
+
+  A client goes over its dataset `len(steps)` times in a round (SCAFFOLD
+  Option I and FedResSGD/Avg twice); each pass draws the batches a fresh
+  iteration of the client's dataset draws (so a shuffled dataset reshuffles).
+  The runtime streams the batches of a whole group of clients through one
+  pipeline and calls, per client:
+
+    carry = start(context, message, client_state)
+    for each pass p: for each batch: carry = steps[p](context, message,
+                                                     client_state, carry,
+                                                     batch)
+                     carry = end_pass[p](context, message, client_state,
+                                         carry)        (if given)
+    result = finish(context, message, client_state, carry)
+
+  `carry` is a structure of tensors of fixed shapes (counts, sums, optimizer
+  states); the client's model lives in the context's variables, which
+  `start` sets. `client_state` is None when the algorithm keeps none.
+  """
+  start: Callable[[Any, Any, Any], Any]
+  steps: tuple[Callable[[Any, Any, Any, Any, Any], Any], ...]
+  finish: Callable[[Any, Any, Any, Any], 'ClientResult']
+  end_pass: Optional[tuple[Callable[[Any, Any, Any, Any], Any], ...]] = None
+
+  @property
+  def passes(self) -> int:
+    return len(self.steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +145,8 @@ class RoundDefinition:
   # () -> client context: the models and variables a client computation
   # needs, built once per computation and reused by every client of a group.
   client_context: Callable[[], Any]
-  # (context, message, dataset, client_state or None) -> ClientResult (TF).
-  client_update: Callable[[Any, Any, tf.data.Dataset, Any], ClientResult]
+  # One client's update (TF), as steps over its batches.
+  client_work: ClientWork
   # (context) -> None: resets per-client accumulators (e.g. Keras metrics)
   # before each client of a group.
   reset_client: Callable[[Any], None]
@@ -127,8 +161,13 @@ class RoundDefinition:
   central: Optional[CentralWork] = None
   personalization: Optional[Personalization] = None
   # The key of the message that is an augmenting gradient (mixed FL's
-  # gradient transfer), reported apart in the communication metrics.
+  # gradient transfer), reported apart in the communication metrics (0 when
+  # the message has no such key).
   augmenting_message: Optional[str] = None
+  # Whether the server also needs the plain sum of the model updates (2-w
+  # GT's eq. 10): the same uploaded values, aggregated a second way, in the
+  # clear (aggregates['model_update_sum']).
+  sums_model_update: bool = False
 
   @property
   def has_client_state(self) -> bool:

@@ -1,24 +1,33 @@
 """A group of a round's clients, run as one compiled TF computation.
 
 Under TFF, a TFF client stands for a group of the round's clients; the
-native runtime runs the whole cohort as groups too. A group's computation
-loops over its clients inside the graph: for each one it builds the client's
-dataset from (id, seed), reads its state, runs the algorithm's client update,
-writes its new state, and adds its results into the group's sums. No
-per-client call, dispatch or value crosses the runtime, and one client's
-weights at a time are live, which is what keeps a CPU round compute-bound
-(the benchmark's FedAvg round is a few GFLOP; per-client overhead, not
-arithmetic, separated this project from the fastest peers).
+native runtime runs the cohort as groups too. A group's computation streams
+the batches of all its clients through ONE tf.data pipeline (each client's
+dataset built from its (id, seed), in order, each pass of a client followed
+by an end-of-pass marker) and loops over that stream inside the graph: at a
+client's first element it reads the client's state and starts its work
+(`ClientWork.start`), every batch is a step, and at the client's last marker
+it finishes, writes the client's new state and adds its results into the
+group's sums.
+
+Why one stream: making a tf.data iterator instantiates the pipeline's
+functions (each `map`), and TF optimizes every instantiated function with
+grappler - about 10 ms a `map` per client here, more than a small model's
+training steps. Inner iterators of one stream share its function cache, so
+a group pays that once. With the per-client loop inside the graph, no
+per-client call, dispatch or value crosses the runtime either, and one
+client's weights at a time are live, which keeps a CPU round compute-bound.
 
 A group's result (an OrderedDict):
-  model_update  sum_i w_i * u_i over its clients, or, for a group of one
-                client fed to a per-client aggregator, u_i itself
-  weight        sum_i w_i (w_i for a per-client group)
-  num_clients   clients in the group (int32)
-  sums          the algorithm's sums over the group
-  measurements  its summed measurements (not sent by a deployed client)
-  metrics       its summed unfinalized metrics
-  client_costs  summed analytic costs (tasks that model them)
+  model_update      sum_i w_i * u_i over its clients, or, for a group of one
+                    client fed to a per-client aggregator, u_i itself
+  weight            sum_i w_i (w_i for a per-client group)
+  num_clients       clients in the group (int32)
+  sums              the algorithm's sums over the group
+  measurements      its summed measurements (not sent by a deployed client)
+  metrics           its summed unfinalized metrics
+  model_update_sum  sum_i u_i (algorithms that ask for it)
+  client_costs      summed analytic costs (tasks that model them)
 
 Each client computes exactly what it computes alone; only the order of float
 additions across clients depends on the grouping.
@@ -43,6 +52,44 @@ def _add(a, b):
   return tf.nest.map_structure(tf.add, a, b)
 
 
+def _empty_batch(element_spec):
+  """A batch of no examples with `element_spec`'s structure (a marker's)."""
+  return tf.nest.map_structure(
+      lambda spec: tf.zeros([0 if d is None else d for d in spec.shape],
+                            spec.dtype), element_spec)
+
+
+def _group_stream(client_dataset_fn: Callable, ids: tf.Tensor,
+                  seeds: tf.Tensor, passes: int) -> tf.data.Dataset:
+  """(client index, pass, end-of-pass marker?, batch) of a group, in order."""
+
+  def client_elements(index, client_id, seed):
+    dataset = client_dataset_fn(client_id, seed)
+    marker_batch = _empty_batch(dataset.element_spec)
+    elements = None
+    for pass_index in range(passes):
+      # Each pass iterates the same dataset again, as a second loop over a
+      # dataset value does (a shuffled dataset reshuffles).
+      batches = dataset.map(
+          lambda *batch, p=pass_index: (index, p, False,
+                                        batch[0] if len(batch) == 1
+                                        else batch))
+      marker = tf.data.Dataset.from_tensors((index, pass_index, True,
+                                             marker_batch))
+      part = batches.concatenate(marker)
+      elements = part if elements is None else elements.concatenate(part)
+    return elements
+
+  indices = tf.range(tf.shape(ids, out_type=tf.int32)[0])
+  options = tf.data.Options()
+  # The same options as the task's client pipelines (tasks.base): the group
+  # stream is iterated once.
+  options.experimental_optimization.apply_default_optimizations = False
+  options.autotune.enabled = False
+  return tf.data.Dataset.from_tensor_slices((indices, ids, seeds)).flat_map(
+      client_elements).with_options(options)
+
+
 def build_group_update(definition: round_lib.RoundDefinition,
                        client_dataset_fn: Callable,
                        state_format: Optional[client_states.StateFormat],
@@ -51,7 +98,6 @@ def build_group_update(definition: round_lib.RoundDefinition,
   """Returns `bind(context) -> run(message, round_num, group) -> result`.
 
   `context` is the definition's client context, built once per computation.
-
   `group` holds `ids` (string [G]), `seeds` (int64 [G]) and, with client
   state, `versions` (int64 [G]: the version each client reads, -1 for the
   initial state); new states are written as version `round_num`. With
@@ -60,22 +106,9 @@ def build_group_update(definition: round_lib.RoundDefinition,
   """
   if definition.has_client_state and state_format is None:
     raise ValueError(f'{definition.name} keeps client state: pass a store')
-
-  def one_client(context, message, round_num, group, i):
-    client_id, seed = group['ids'][i], group['seeds'][i]
-    state = None
-    if definition.has_client_state:
-      state = state_format.read(client_id, group['versions'][i])
-    definition.reset_client(context)
-    result = definition.client_update(
-        context, message, client_dataset_fn(client_id, seed), state)
-    if definition.has_client_state:
-      state_format.write(client_id, round_num, result.state)
-    costs = None
-    if client_cost_fn is not None:
-      # Rebuilt from (id, seed): the batches the client trained on.
-      costs = client_cost_fn(client_dataset_fn(client_id, seed))
-    return result, costs
+  work = definition.client_work
+  stateful = definition.has_client_state
+  last_pass = work.passes - 1
 
   def contribution(result: round_lib.ClientResult, costs):
     out = collections.OrderedDict(
@@ -86,29 +119,98 @@ def build_group_update(definition: round_lib.RoundDefinition,
         sums=collections.OrderedDict(result.sums),
         measurements=collections.OrderedDict(result.measurements),
         metrics=result.metrics)
+    if definition.sums_model_update:
+      out['model_update_sum'] = result.model_update
     if costs is not None:
       out['client_costs'] = collections.OrderedDict(costs)
     return out
 
   def bind(context):
 
+    def read_state(group, index):
+      if not stateful:
+        return ()
+      return state_format.read(group['ids'][index], group['versions'][index])
+
+    def visible(client_state):
+      # What the algorithm sees: None when it keeps no state (the loop
+      # carries an empty structure instead).
+      return client_state if stateful else None
+
+    def start(message, client_state):
+      definition.reset_client(context)
+      return work.start(context, message, visible(client_state))
+
+    def finish(message, round_num, group, index, client_state, carry):
+      result = work.finish(context, message, visible(client_state), carry)
+      if stateful:
+        state_format.write(group['ids'][index], round_num, result.state)
+      costs = None
+      if client_cost_fn is not None:
+        # Rebuilt from (id, seed): the batches the client trained on.
+        costs = client_cost_fn(client_dataset_fn(group['ids'][index],
+                                                 group['seeds'][index]))
+      return contribution(result, costs)
+
     @tf.function
     def run(message, round_num, group):
-      num_clients = tf.shape(group['ids'])[0]
-      # The first client outside the loop: its results give the sums' shapes.
-      total = contribution(*one_client(context, message, round_num, group, 0))
       if per_client:
-        tf.debugging.assert_equal(num_clients, 1,
+        tf.debugging.assert_equal(tf.size(group['ids']), 1,
                                   'a per-client group holds one client')
-        return total
-      for i in tf.range(1, num_clients):
-        total = _add(total, contribution(
-            *one_client(context, message, round_num, group, i)))
+      # Values of the loop's structure: the first client's initial state and
+      # carry, and zeros shaped like a client's contribution.
+      client_state = read_state(group, 0)
+      carry = start(message, client_state)
+      total = tf.nest.map_structure(
+          lambda t: tf.zeros(t.shape, t.dtype),
+          finish_shapes(message, round_num, group, client_state, carry))
+      current = tf.constant(0, tf.int32)
+      # iter(): a while loop over an iterator; a loop over the dataset itself
+      # would run every step inside tf.data's reduce, several times slower.
+      for index, pass_index, is_marker, batch in iter(_group_stream(
+          client_dataset_fn, group['ids'], group['seeds'], work.passes)):
+        # tf.not_equal, not !=: TFF traces its computations in a TF1 graph,
+        # where a tensor's == and != compare identities, in Python.
+        if tf.not_equal(index, current):
+          current = index
+          client_state = read_state(group, index)
+          carry = start(message, client_state)
+        if is_marker:
+          if work.end_pass is not None:
+            carry = _switch(pass_index, [
+                lambda f=f: f(context, message, visible(client_state), carry)
+                for f in work.end_pass])
+          if tf.equal(pass_index, last_pass):
+            total = _add(total, finish(message, round_num, group, index,
+                                       client_state, carry))
+        else:
+          carry = _switch(pass_index, [
+              lambda f=f: f(context, message, visible(client_state), carry,
+                            batch)
+              for f in work.steps])
       return total
+
+    def finish_shapes(message, round_num, group, client_state, carry):
+      # The structure and shapes of a contribution, traced but not run.
+      del round_num
+      specs = tf.function(lambda: contribution(
+          work.finish(context, message, visible(client_state), carry),
+          None if client_cost_fn is None else client_cost_fn(
+              client_dataset_fn(group['ids'][0], group['seeds'][0])))
+                          ).get_concrete_function().structured_outputs
+      return tf.nest.map_structure(
+          lambda t: tf.TensorSpec(t.shape, t.dtype), specs)
 
     return run
 
   return bind
+
+
+def _switch(index: tf.Tensor, branches):
+  """branches[index](); a single branch is called without a switch."""
+  if len(branches) == 1:
+    return branches[0]()
+  return tf.switch_case(index, branches)
 
 
 def clients_per_group(clients_per_round: int, requested: int, runtime: str,

@@ -47,6 +47,15 @@ def per_client_bytes(message_type: tff.Type,
   return type_bytes(message_type), up
 
 
+def augmenting_bytes(message_type: tff.Type, key):
+  """Bytes of the message's augmenting gradient (0 if it has none); None
+  for algorithms that report none (`key` None)."""
+  if key is None:
+    return None
+  names = tff.structure.name_list(message_type)
+  return type_bytes(message_type[key]) if key in names else 0
+
+
 def metrics(bytes_down: int, bytes_up: int,
             augmenting_bytes_down=None) -> collections.OrderedDict:
   """The round's communication metrics (int64 scalars)."""

@@ -112,6 +112,8 @@ class NativeProcess:
             total['model_update']),
         weight_sum=weight_sum, num_clients=total['num_clients'],
         sums=total['sums'], measurements=total['measurements'])
+    if definition.sums_model_update:
+      aggregates['model_update_sum'] = total['model_update_sum']
     if definition.central is not None and not before:
       central = self._central_result(state, server_seed)
     new_state, algorithm_metrics = self._server_update(state, aggregates,
@@ -135,11 +137,9 @@ class NativeProcess:
           lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)),
           group_result))
       down, up = communication.per_client_bytes(message_type, result_type)
-      augmenting = None
-      if self._definition.augmenting_message is not None:
-        augmenting = communication.type_bytes(
-            message_type[self._definition.augmenting_message])
-      self._communication = communication.metrics(down, up, augmenting)
+      self._communication = communication.metrics(
+          down, up, communication.augmenting_bytes(
+              message_type, self._definition.augmenting_message))
     return self._communication
 
 

@@ -180,14 +180,14 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
                        ('weight_sum', np.float32), ('num_clients', np.int32),
                        ('sums', result_type.sums),
                        ('measurements', result_type.measurements)]
+  if definition.sums_model_update:
+    aggregates_fields.append(('model_update_sum', mean_type))
   aggregates_type = tff.StructWithPythonType(aggregates_fields,
                                              collections.OrderedDict)
   bytes_down, bytes_up = communication.per_client_bytes(
       payload_type.message, result_type)
-  augmenting_bytes = None
-  if definition.augmenting_message is not None:
-    augmenting_bytes = communication.type_bytes(
-        payload_type.message[definition.augmenting_message])
+  augmenting_bytes = communication.augmenting_bytes(
+      payload_type.message, definition.augmenting_message)
 
   server_inputs = [('state', algorithm_state_type),
                    ('aggregates', aggregates_type),
@@ -288,6 +288,9 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
         num_clients=tff.federated_sum(results.num_clients),
         sums=tff.federated_sum(results.sums),
         measurements=tff.federated_sum(results.measurements))
+    if definition.sums_model_update:
+      aggregates['model_update_sum'] = tff.federated_sum(
+          results.model_update_sum)
     server_inputs = collections.OrderedDict(
         state=algorithm_state, aggregates=tff.federated_zip(aggregates),
         metric_sums=tff.federated_sum(results.metrics), round=round_info)

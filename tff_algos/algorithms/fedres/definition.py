@@ -110,19 +110,6 @@ def definition(variant: str, task: base.Task,
       message['control'] = state['control']
     return message
 
-  def client_update(model, message, dataset, client_state):
-    output = math.client_round(model, hparams, dataset, client_state,
-                               message['global_weights'],
-                               message.get('control'))
-    sums = collections.OrderedDict()
-    if hparams.uses_control:
-      sums['control_delta'] = output['control_delta']
-    return round_lib.ClientResult(
-        model_update=output['weights_delta'], weight=tf.constant(1.0),
-        sums=sums, metrics=collections.OrderedDict(
-            loss_sum=output['loss_sum'], num_examples=output['num_examples']),
-        state=output['state'])
-
   def server_update(state, aggregates, central):
     del central
     new_state = collections.OrderedDict(global_model_weights=ModelWeights(
@@ -151,7 +138,7 @@ def definition(variant: str, task: base.Task,
       name=f'fedres_{variant}', settings=settings,
       initial_server_state=initial_server_state, broadcast=broadcast,
       client_context=lambda: math.ResidualModel(spec),
-      client_update=client_update, reset_client=lambda model: None,
+      client_work=math.client_work(hparams), reset_client=lambda model: None,
       server_update=server_update, finalize_metrics=finalize_metrics,
       initial_client_state=initial_client_state,
       personalization=_personalization(task, settings, initial_local))

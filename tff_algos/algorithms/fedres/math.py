@@ -15,12 +15,12 @@ the batches of a fresh pass over the dataset.
 
 import collections
 import dataclasses
-import functools
 from typing import Optional, Sequence
 
 import tensorflow as tf
 
 from tasks import residual
+from tff_algos.algorithms import round as round_lib
 
 
 class ResidualModel:
@@ -72,31 +72,14 @@ def _read(variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
   return [tf.identity(v.read_value()) for v in variables]
 
 
-# How the code below runs. Each per-batch step is its own tf.function. A
-# client update loops over the dataset calling them: inside a graph (a TFF
-# computation) the whole update is one tf.function whose loops AutoGraph turns
-# into while loops; called eagerly (in-process rounds and evaluation) the loop
-# runs in Python and each step is one compiled call. Both run the same steps;
-# the eager path avoids making a dataset iterator inside a graph per client,
-# which costs far more than the steps of a small model.
+# Each per-batch step is its own tf.function: the round's steps run inside
+# the runtime's compiled group loop, and the in-process personalized
+# evaluation calls the same steps from a Python loop, one compiled call each.
 
 
 def _step(fn):
   # Batch shapes vary (last batch, client sizes): trace once for any shape.
   return tf.function(fn, reduce_retracing=True)
-
-
-def _graph_or_eager(fn):
-  """`fn` as one tf.function inside a graph, plain Python when eager."""
-  compiled = tf.function(fn)
-
-  @functools.wraps(fn)
-  def run(*args, **kwargs):
-    if tf.executing_eagerly():
-      return fn(*args, **kwargs)
-    return compiled(*args, **kwargs)
-
-  return run
 
 
 @_step
@@ -184,103 +167,6 @@ def _local_steps(model: ResidualModel, dataset: tf.data.Dataset,
   return stats
 
 
-def _joint_steps(model: ResidualModel, dataset: tf.data.Dataset,
-                 learning_rate: float, local_learning_rate: float):
-  stats = _zero_stats()
-  for batch in dataset:
-    loss, n = _joint_step(model, batch, learning_rate, local_learning_rate)
-    stats = _add_batch(stats, loss, n)
-  return stats
-
-
-def _large_batch_gradient(model: ResidualModel, dataset: tf.data.Dataset):
-  """grad_w of the average loss over one pass (K mini-batches = one batch K
-  times larger), at the model's current (w, theta). Returns (gradient, K)."""
-  weighted_sums = tuple(tf.zeros_like(v) for v in model.global_weights)
-  num_examples = tf.constant(0, tf.int64)
-  num_steps = tf.constant(0, tf.int64)
-  for batch in dataset:
-    gradients, n = _global_gradient(model, batch)
-    weighted_sums = tuple(s + tf.cast(n, tf.float32) * g
-                          for s, g in zip(weighted_sums, gradients))
-    num_examples += n
-    num_steps += 1
-  denominator = tf.cast(tf.maximum(num_examples, 1), tf.float32)
-  return [s / denominator for s in weighted_sums], num_steps
-
-
-def _corrected_global_steps(model: ResidualModel, dataset: tf.data.Dataset,
-                            learning_rate: float,
-                            correction: Optional[Sequence[tf.Tensor]]):
-  """Step 2 of FedResAvg: one `_corrected_global_step` per batch. Returns
-  (sum of the g's, K)."""
-  gradient_sums = tuple(tf.zeros_like(v) for v in model.global_weights)
-  num_steps = tf.constant(0, tf.int64)
-  for batch in dataset:
-    gradients = _corrected_global_step(model, batch, learning_rate,
-                                       correction)
-    gradient_sums = tuple(s + g for s, g in zip(gradient_sums, gradients))
-    num_steps += 1
-  return list(gradient_sums), num_steps
-
-
-def _client_result(weights_delta, local_weights, stats, **extra):
-  loss_sum, num_examples, _ = stats
-  return collections.OrderedDict(
-      weights_delta=weights_delta, local_weights=local_weights,
-      loss_sum=loss_sum, num_examples=num_examples, **extra)
-
-
-def _start(model: ResidualModel, global_weights, local_weights) -> None:
-  assign(model.global_weights, global_weights)
-  assign(model.local_weights, local_weights)
-
-
-@_graph_or_eager
-def naive_client_update(model: ResidualModel, dataset: tf.data.Dataset,
-                        global_weights, local_weights, learning_rate: float,
-                        local_learning_rate: float):
-  """FedResNaive (Algorithm 2) on one client."""
-  _start(model, global_weights, local_weights)
-  stats = _joint_steps(model, dataset, learning_rate, local_learning_rate)
-  delta = [v - w for v, w in zip(_read(model.global_weights), global_weights)]
-  return _client_result(delta, _read(model.local_weights), stats)
-
-
-@_graph_or_eager
-def sgd_client_update(model: ResidualModel, dataset: tf.data.Dataset,
-                      global_weights, local_weights, learning_rate: float,
-                      local_learning_rate: float):
-  """FedResSGD (Algorithm 3) on one client: Step 1, then one step on w with
-  the large-batch gradient at (w, theta'): w_i - w = -eta K grad_w."""
-  _start(model, global_weights, local_weights)
-  stats = _local_steps(model, dataset, local_learning_rate)
-  gradient, num_steps = _large_batch_gradient(model, dataset)
-  scale = learning_rate * tf.cast(num_steps, tf.float32)
-  delta = [-scale * g for g in gradient]
-  return _client_result(delta, _read(model.local_weights), stats)
-
-
-@_graph_or_eager
-def avg_client_update(model: ResidualModel, dataset: tf.data.Dataset,
-                      global_weights, local_weights, learning_rate: float,
-                      local_learning_rate: float, correction=None):
-  """FedResAvg (Algorithm 4) on one client: Step 1, then K corrected steps on
-  a copy of w with theta fixed. Also returns the mean of the K gradients
-  (Option II's new c_i) and K."""
-  _start(model, global_weights, local_weights)
-  stats = _local_steps(model, dataset, local_learning_rate)
-  local_after_step1 = _read(model.local_weights)
-  gradient_sums, num_steps = _corrected_global_steps(
-      model, dataset, learning_rate, correction)
-  delta = [v - w for v, w in zip(_read(model.global_weights), global_weights)]
-  denominator = tf.cast(tf.maximum(num_steps, 1), tf.float32)
-  return _client_result(
-      delta, local_after_step1, stats,
-      mean_gradient=[s / denominator for s in gradient_sums],
-      num_global_steps=num_steps)
-
-
 def control_correction(server_control, client_control) -> list[tf.Tensor]:
   """c - c_i, added to every local gradient of FedResAvg Option II."""
   return [c - ci for c, ci in zip(server_control, client_control)]
@@ -354,32 +240,105 @@ def initial_client_state(hparams: Hyperparameters, initial_local_weights,
   return state
 
 
-def client_round(model: ResidualModel, hparams: Hyperparameters,
-                 dataset: tf.data.Dataset, client_state, global_weights,
-                 server_control=None):
-  """One sampled client's round of the chosen variant.
+def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
+  """One sampled client's round of the chosen variant, as steps.
 
-  Returns <state=new client state, weights_delta=w_i - w,
-  [control_delta=c_i+ - c_i,] loss_sum, num_examples>; only `state` stays on
-  the client.
+  The context is the client's `ResidualModel`; the message holds w
+  (`global_weights`) and, for Option II, c (`control`); the client state
+  theta_i (`local_model`) and, for Option II, c_i (`control`).
+
+  - Naive (Algorithm 2): one pass of joint steps on (w_i, theta_i).
+  - SGD (Algorithm 3): Step 1, a pass of local steps on theta with w fixed;
+    then one step on w with the large-batch gradient of a second pass at
+    (w, theta'): w_i - w = -eta K grad_w.
+  - Avg (Algorithm 4): Step 1; then a second pass of K corrected steps on a
+    copy of w with theta fixed; Option II's new c_i is the mean of those K
+    gradients (a client without data keeps c_i).
+
+  The result sends w_i - w (uniform weight) and, for Option II, sums
+  c_i+ - c_i; its metrics are Step 1's (Naive: the joint steps') loss sum and
+  examples, losses taken before each step. theta_i (and c_i) stay on the
+  client as its new state.
   """
-  args = (model, dataset, global_weights, client_state['local_model'],
-          hparams.learning_rate, hparams.local_learning_rate)
-  if hparams.variant == 'naive':
-    result = naive_client_update(*args)
-  elif hparams.variant == 'sgd':
-    result = sgd_client_update(*args)
-  elif hparams.uses_control:
-    result = avg_client_update(*args, correction=control_correction(
-        server_control, client_state['control']))
-  else:
-    result = avg_client_update(*args)
-  new_state = collections.OrderedDict(local_model=result['local_weights'])
-  output = collections.OrderedDict(
-      state=new_state, weights_delta=result['weights_delta'],
-      loss_sum=result['loss_sum'], num_examples=result['num_examples'])
-  if hparams.uses_control:
-    new_state['control'], output['control_delta'] = updated_client_control(
-        client_state['control'], result['mean_gradient'],
-        result['num_global_steps'])
-  return output
+  variant = hparams.variant
+  eta, lam = hparams.learning_rate, hparams.local_learning_rate
+
+  def start(model, message, client_state):
+    assign(model.global_weights, message['global_weights'])
+    assign(model.local_weights, client_state['local_model'])
+    carry = collections.OrderedDict(stats=_zero_stats())
+    if variant != 'naive':
+      # Tuples, not lists: a loop would stack a list into one tensor.
+      carry['gradient_sums'] = tuple(tf.zeros_like(v)
+                                     for v in model.global_weights)
+      carry['gradient_examples'] = tf.constant(0, tf.int64)
+      carry['gradient_steps'] = tf.constant(0, tf.int64)
+    return carry
+
+  def with_stats(carry, loss, n):
+    carry = collections.OrderedDict(carry)
+    carry['stats'] = _add_batch(carry['stats'], loss, n)
+    return carry
+
+  def joint_step(model, message, client_state, carry, batch):
+    del message, client_state
+    return with_stats(carry, *_joint_step(model, batch, eta, lam))
+
+  def local_step(model, message, client_state, carry, batch):
+    del message, client_state
+    return with_stats(carry, *_local_step(model, batch, lam))
+
+  def large_batch_gradient_step(model, message, client_state, carry, batch):
+    del message, client_state
+    gradients, n = _global_gradient(model, batch)
+    carry = collections.OrderedDict(carry)
+    carry['gradient_sums'] = tuple(
+        s + tf.cast(n, tf.float32) * g
+        for s, g in zip(carry['gradient_sums'], gradients))
+    carry['gradient_examples'] = carry['gradient_examples'] + n
+    carry['gradient_steps'] = carry['gradient_steps'] + 1
+    return carry
+
+  def corrected_global_step(model, message, client_state, carry, batch):
+    correction = None
+    if hparams.uses_control:
+      correction = control_correction(message['control'],
+                                      client_state['control'])
+    gradients = _corrected_global_step(model, batch, eta, correction)
+    carry = collections.OrderedDict(carry)
+    carry['gradient_sums'] = tuple(
+        s + g for s, g in zip(carry['gradient_sums'], gradients))
+    carry['gradient_steps'] = carry['gradient_steps'] + 1
+    return carry
+
+  def finish(model, message, client_state, carry):
+    global_weights = message['global_weights']
+    if variant == 'sgd':
+      denominator = tf.cast(tf.maximum(carry['gradient_examples'], 1),
+                            tf.float32)
+      scale = eta * tf.cast(carry['gradient_steps'], tf.float32)
+      delta = [-scale * (s / denominator) for s in carry['gradient_sums']]
+    else:
+      delta = [v - w for v, w in zip(_read(model.global_weights),
+                                     global_weights)]
+    new_state = collections.OrderedDict(
+        local_model=_read(model.local_weights))
+    sums = collections.OrderedDict()
+    if hparams.uses_control:
+      denominator = tf.cast(tf.maximum(carry['gradient_steps'], 1),
+                            tf.float32)
+      new_state['control'], sums['control_delta'] = updated_client_control(
+          client_state['control'],
+          [s / denominator for s in carry['gradient_sums']],
+          carry['gradient_steps'])
+    loss_sum, num_examples, _ = carry['stats']
+    return round_lib.ClientResult(
+        model_update=delta, weight=tf.constant(1.0), sums=sums,
+        metrics=collections.OrderedDict(loss_sum=loss_sum,
+                                        num_examples=num_examples),
+        state=new_state)
+
+  steps = {'naive': (joint_step,),
+           'sgd': (local_step, large_batch_gradient_step),
+           'avg': (local_step, corrected_global_step)}[variant]
+  return round_lib.ClientWork(start=start, steps=steps, finish=finish)

@@ -89,11 +89,6 @@ SETTINGS = {PARALLEL_TRAINING: ParallelTrainingSettings,
             ONE_WAY_GT: OneWayGtSettings, TWO_WAY_GT: TwoWayGtSettings}
 
 
-@dataclasses.dataclass(eq=False)
-class _Models:
-  model: tff.learning.models.VariableModel
-
-
 def definition(name: str, task, settings) -> round_lib.RoundDefinition:
   """The mixed FL algorithm `name` (one of NAMES) on `task`.
 
@@ -142,9 +137,9 @@ def definition(name: str, task, settings) -> round_lib.RoundDefinition:
     return math.initial_server_state(round_settings, model_fn(),
                                      server_optimizer, merge_optimizer)
 
-  def run_central(models, state, central_batches):
+  def run_central(model, state, central_batches):
     return math.central_work(
-        round_settings, models.model, central_optimizer, central_loss,
+        round_settings, model, central_optimizer, central_loss,
         state['global_model_weights'], state.get('gtilde_f'),
         central_batches)
 
@@ -157,28 +152,12 @@ def definition(name: str, task, settings) -> round_lib.RoundDefinition:
       message['augmenting_gradient'] = state['gtilde_c']
     return message
 
-  def client_update(models, message, dataset, client_state):
-    del client_state
-    output = math.client_work(round_settings, models.model, client_optimizer,
-                              message, dataset)
-    upload = output['upload']
-    sums = collections.OrderedDict()
-    if keeps_augmenting_gradients:
-      sums['delta'] = upload['delta']
-      sums['num_steps'] = upload['num_steps']
-    measurements = collections.OrderedDict()
-    if settings.mixed_diagnostics:
-      measurements['first_gradient'] = output['first_gradient']
-    return round_lib.ClientResult(
-        model_update=upload['delta'], weight=upload['weight'], sums=sums,
-        measurements=measurements, metrics=upload['metrics'])
-
   def server_update(state, aggregates, central):
     sums = aggregates['sums']
     new_state = math.server_update(
         round_settings, server_optimizer, merge_optimizer, state, central,
         aggregates['model_update'], aggregates['weight_sum'],
-        sums.get('delta'), sums.get('num_steps'))
+        aggregates.get('model_update_sum'), sums.get('num_steps'))
     metrics = collections.OrderedDict(central=collections.OrderedDict(
         loss=central['loss'], num_steps=central['num_steps']))
     if settings.mixed_diagnostics:
@@ -196,14 +175,15 @@ def definition(name: str, task, settings) -> round_lib.RoundDefinition:
   return round_lib.RoundDefinition(
       name=name, settings=settings,
       initial_server_state=initial_server_state, broadcast=broadcast,
-      client_context=lambda: _Models(model_fn()),
-      client_update=client_update,
-      reset_client=lambda models: models.model.reset_metrics(),
+      client_context=model_fn,
+      client_work=math.client_work(round_settings, client_optimizer,
+                                   info.trainable_specs),
+      reset_client=lambda model: model.reset_metrics(),
       server_update=server_update,
       finalize_metrics=lambda sums: keras_model.finalize_metrics(
           info.metric_finalizers, sums),
       central=round_lib.CentralWork(
-          context=lambda: _Models(model_fn()), run=run_central,
+          context=model_fn, run=run_central,
           before_clients=name == ONE_WAY_GT, uses_data=not data_free),
-      augmenting_message=(None if name == PARALLEL_TRAINING
-                          else 'augmenting_gradient'))
+      augmenting_message='augmenting_gradient',
+      sums_model_update=keeps_augmenting_gradients)

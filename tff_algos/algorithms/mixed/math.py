@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_algos.algorithms import round as round_lib
+
 ModelWeights = tff.learning.models.ModelWeights
 Weights = list  # Trainable weights: a list of tensors, in model order.
 # A data-free centralized loss: trainable variables of the model -> scalar.
@@ -75,8 +77,13 @@ def _optimizer_step(optimizer: tff.learning.optimizers.Optimizer, state,
 
 def _fresh_optimizer_state(optimizer: tff.learning.optimizers.Optimizer,
                            variables: list[tf.Variable]):
-  return optimizer.initialize(
-      tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables))
+  return _fresh_optimizer_state_for_specs(
+      optimizer, tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables))
+
+
+def _fresh_optimizer_state_for_specs(
+    optimizer: tff.learning.optimizers.Optimizer, specs):
+  return optimizer.initialize(tuple(specs))
 
 
 # ---------------------------------------------------------------------------
@@ -112,56 +119,6 @@ class DataFreeCentralLoss:
 
 # ---------------------------------------------------------------------------
 # Client and central work.
-
-
-@tf.function
-def client_update(model: tff.learning.models.VariableModel,
-                  optimizer: tff.learning.optimizers.Optimizer,
-                  initial_weights: ModelWeights,
-                  dataset: tf.data.Dataset,
-                  augmenting_gradient: Optional[Weights],
-                  loss_weight: float,
-                  record_first_gradient: bool = False):
-  """ClientUpdate of Algorithm 1: K_i steps of ClientOpt on g_i + gtilde_c.
-
-  Returns an OrderedDict with `delta` (x_i - x, trainable weights), `weight`
-  (examples processed, p_i), `num_steps` (K_i), the model's unfinalized
-  `metrics`, and, if `record_first_gradient`, `first_gradient` = g_i(x) on the
-  first batch (for the eq. 7 diagnostics).
-  """
-  model_weights = ModelWeights.from_model(model)
-  _assign(model_weights, initial_weights)
-  variables = list(model_weights.trainable)
-  optimizer_state = _fresh_optimizer_state(optimizer, variables)
-  num_steps = tf.constant(0, tf.int32)
-  num_examples = tf.constant(0, tf.int64)
-  # Tuples, not lists: autograph would stack a list loop variable.
-  first_gradient = tuple(tf.zeros_like(v) for v in variables)
-  # iter(): a while loop over an iterator; `for .. in dataset` would run
-  # the steps inside tf.data's reduce, about 3x slower (README, Benchmark).
-  for batch in iter(dataset):
-    with tf.GradientTape() as tape:
-      output = model.forward_pass(batch, training=True)
-      loss = loss_weight * output.loss
-    gradient = _weighted_gradient(tape, loss, variables)
-    if record_first_gradient:
-      first_gradient = tf.cond(tf.equal(num_steps, 0), lambda g=gradient: g,
-                               lambda f=first_gradient: f)
-    if augmenting_gradient is not None:
-      gradient = tuple(g + a for g, a in zip(gradient, augmenting_gradient))
-    optimizer_state = _optimizer_step(optimizer, optimizer_state, variables,
-                                      gradient)
-    num_steps += 1
-    num_examples += tf.cast(output.num_examples, tf.int64)
-  result = collections.OrderedDict(
-      delta=subtract([v.read_value() for v in variables],
-                     list(initial_weights.trainable)),
-      weight=tf.cast(num_examples, tf.float32),
-      num_steps=tf.cast(num_steps, tf.float32),
-      metrics=model.report_local_unfinalized_metrics())
-  if record_first_gradient:
-    result['first_gradient'] = list(first_gradient)
-  return result
 
 
 @tf.function
@@ -347,29 +304,70 @@ def central_work(settings: RoundSettings,
 
 
 def client_work(settings: RoundSettings,
-                model: tff.learning.models.VariableModel,
-                optimizer: tff.learning.optimizers.Optimizer, payload,
-                dataset: tf.data.Dataset):
-  """One client's round: `client_update` from the broadcast payload.
+                optimizer: tff.learning.optimizers.Optimizer,
+                trainable_specs) -> round_lib.ClientWork:
+  """ClientUpdate of Algorithm 1 as steps: K_i ClientOpt steps on
+  w_f * g_i + gtilde (gtilde: the broadcast augmenting gradient of 1-w and
+  2-w GT).
 
-  Returns <upload=<delta, weight, metrics[, num_steps]>[, first_gradient]>:
-  what the client uploads (K_i only for 2-w GT's eq. 10) and, with
-  diagnostics, g_i(x) (a simulation-only measurement, not uploaded).
+  The result sends Delta_i = x_i - x (weighted by the examples processed,
+  p_i) and the model's metrics; 2-w GT also sums K_i (eq. 10; its Delta_i
+  sum comes from the same uploads). With diagnostics it measures g_i(x) on
+  the first batch (a simulation-only measurement, not uploaded).
   """
-  augmenting_gradient = (payload['augmenting_gradient']
-                         if settings.transfers_gradients else None)
-  output = client_update(
-      model, optimizer, payload['global_model_weights'], dataset,
-      augmenting_gradient, settings.federated_weight,
-      record_first_gradient=settings.diagnostics)
-  uploaded = ['delta', 'weight', 'metrics']
-  if settings.keeps_augmenting_gradients:
-    uploaded.append('num_steps')
-  result = collections.OrderedDict(
-      upload=collections.OrderedDict((k, output[k]) for k in uploaded))
-  if settings.diagnostics:
-    result['first_gradient'] = output['first_gradient']
-  return result
+  specs = tuple(trainable_specs)
+
+  def start(model, message, client_state):
+    del client_state
+    _assign(ModelWeights.from_model(model), message['global_model_weights'])
+    return collections.OrderedDict(
+        optimizer_state=_fresh_optimizer_state_for_specs(optimizer, specs),
+        num_steps=tf.constant(0, tf.int32),
+        num_examples=tf.constant(0, tf.int64),
+        # Tuples, not lists: a loop would stack a list into one tensor.
+        first_gradient=tuple(tf.zeros(s.shape, s.dtype) for s in specs))
+
+  def step(model, message, client_state, carry, batch):
+    del client_state
+    variables = list(ModelWeights.from_model(model).trainable)
+    with tf.GradientTape() as tape:
+      output = model.forward_pass(batch, training=True)
+      loss = settings.federated_weight * output.loss
+    gradient = _weighted_gradient(tape, loss, variables)
+    first_gradient = carry['first_gradient']
+    if settings.diagnostics:
+      first_gradient = tf.cond(tf.equal(carry['num_steps'], 0),
+                               lambda g=gradient: g,
+                               lambda f=first_gradient: f)
+    if settings.transfers_gradients:
+      gradient = tuple(g + a for g, a in zip(
+          gradient, message['augmenting_gradient']))
+    optimizer_state = _optimizer_step(optimizer, carry['optimizer_state'],
+                                      variables, gradient)
+    return collections.OrderedDict(
+        optimizer_state=optimizer_state,
+        num_steps=carry['num_steps'] + 1,
+        num_examples=carry['num_examples'] + tf.cast(output.num_examples,
+                                                     tf.int64),
+        first_gradient=first_gradient)
+
+  def finish(model, message, client_state, carry):
+    del client_state
+    variables = list(ModelWeights.from_model(model).trainable)
+    sums = collections.OrderedDict()
+    if settings.keeps_augmenting_gradients:
+      sums['num_steps'] = tf.cast(carry['num_steps'], tf.float32)
+    measurements = collections.OrderedDict()
+    if settings.diagnostics:
+      measurements['first_gradient'] = list(carry['first_gradient'])
+    return round_lib.ClientResult(
+        model_update=subtract([v.read_value() for v in variables],
+                              list(message['global_model_weights'].trainable)),
+        weight=tf.cast(carry['num_examples'], tf.float32), sums=sums,
+        measurements=measurements,
+        metrics=model.report_local_unfinalized_metrics())
+
+  return round_lib.ClientWork(start=start, steps=(step,), finish=finish)
 
 
 def server_update(settings: RoundSettings,

@@ -11,8 +11,8 @@ FedPVR). The TF math is in `math`.
   client sends   y_i - x (model update, weighted by p_i: examples processed,
                  or 1 with --client_weighting=uniform), c_i+ - c_i (summed)
   server         x <- ServerOpt(x, -mean_p(y_i - x))
-                 c <- c + sum_S(c_i+ - c_i) / N, the paper's uniform rule,
-                 which keeps c the mean of all N clients' c_i
+                 c <- c + (|S|/N) * uniform mean_S(c_i+ - c_i), the paper's
+                 rule, which keeps c the mean of all N clients' c_i
 """
 
 import collections
@@ -84,12 +84,6 @@ def _mask(settings, variable_names) -> tuple[bool, ...]:
   return math.control_variate_mask(variable_names, last_layers, start)
 
 
-@dataclasses.dataclass(eq=False)
-class _Context:
-  model: tff.learning.models.VariableModel
-  update: object
-
-
 def definition(name: str, model_fn: keras_model.ModelFn, settings,
                num_train_clients: int) -> round_lib.RoundDefinition:
   """The SCAFFOLD (ScaffoldSettings) or FedPVR (FedPvrSettings) round."""
@@ -119,27 +113,6 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
         global_model_weights=state['global_model_weights'],
         control_variate=state['control_variate'])
 
-  def client_context():
-    model = model_fn()
-    return _Context(model, math.build_client_update(
-        model, client_optimizer, settings.client_learning_rate, mask,
-        settings.scaffold_option, uniform,
-        layer_of_variable if settings.drift_diversity else None))
-
-  def client_update(context, message, dataset, client_state):
-    out = context.update(message['global_model_weights'],
-                         message['control_variate'],
-                         client_state['control_variate'], dataset)
-    measurements = collections.OrderedDict()
-    if settings.drift_diversity:
-      measurements['layer_sq_norms'] = out['layer_sq_norms']
-      measurements['model_delta'] = out['model_delta']
-    return round_lib.ClientResult(
-        model_update=out['model_delta'], weight=out['weight'],
-        sums=collections.OrderedDict(
-            control_variate_delta=out['control_variate_delta']),
-        measurements=measurements, metrics=out['metrics'],
-        state=out['client_state'])
 
   def server_update(state, aggregates, central):
     del central
@@ -147,7 +120,8 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
         server_optimizer, state['global_model_weights'],
         state['server_optimizer_state'], state['control_variate'],
         aggregates['model_update'],
-        aggregates['sums']['control_variate_delta'], num_train_clients)
+        aggregates['sums']['control_variate_delta'],
+        aggregates['num_clients'], num_train_clients)
     metrics = collections.OrderedDict()
     if settings.drift_diversity:
       measurements = aggregates['measurements']
@@ -165,8 +139,12 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
   return round_lib.RoundDefinition(
       name=name, settings=settings,
       initial_server_state=initial_server_state, broadcast=broadcast,
-      client_context=client_context, client_update=client_update,
-      reset_client=lambda context: context.model.reset_metrics(),
+      client_context=model_fn,
+      client_work=math.build_client_work(
+          client_optimizer, settings.client_learning_rate, mask,
+          settings.scaffold_option, uniform, info.trainable_specs,
+          layer_of_variable if settings.drift_diversity else None),
+      reset_client=lambda model: model.reset_metrics(),
       server_update=server_update,
       finalize_metrics=lambda sums: keras_model.finalize_metrics(
           info.metric_finalizers, sums),

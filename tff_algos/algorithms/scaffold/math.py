@@ -17,18 +17,8 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 import tensorflow_federated as tff
-from tensorflow_federated.python.learning import loop_builder
 
-
-# tff.learning's loops over a dataset. DATASET_ITERATOR (a while loop over an
-# iterator) runs local steps about 3x faster than DATASET_REDUCE (inside
-# tf.data's reduce; README, Benchmark), but Option I passes over a client's
-# dataset twice in one computation, and there only DATASET_REDUCE gives both
-# runtimes the same second pass (tests/test_native_runtime.py).
-_ITERATOR_LOOP = loop_builder.build_training_loop(
-    tff.learning.LoopImplementation.DATASET_ITERATOR)
-_REDUCE_LOOP = loop_builder.build_training_loop(
-    tff.learning.LoopImplementation.DATASET_REDUCE)
+from tff_algos.algorithms import round as round_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -111,32 +101,31 @@ def zeros_like_specs(specs: Sequence[tf.TensorSpec]) -> list[tf.Tensor]:
 # Client update.
 
 
-def build_client_update(model: tff.learning.models.VariableModel,
-                        client_optimizer: tff.learning.optimizers.Optimizer,
-                        learning_rate: float,
-                        mask: Sequence[bool],
-                        option: int,
-                        uniform_weighting: bool,
-                        layer_of_variable: Optional[Sequence[int]] = None):
-  """Returns `client_update(initial_weights, server_cv, client_cv, dataset)`.
+def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
+                      learning_rate: float,
+                      mask: Sequence[bool],
+                      option: int,
+                      uniform_weighting: bool,
+                      trainable_specs: Sequence[tf.TensorSpec],
+                      layer_of_variable: Optional[Sequence[int]] = None
+                      ) -> round_lib.ClientWork:
+  """One client's round, as steps over its batches (`round.ClientWork`).
 
-  Local training of one client for one round: starting from the server model
-  x, one step per batch; masked variables y <- y - eta * (g - c_i + c) with
-  plain SGD (so Option II's closed form holds exactly), unmasked variables take
-  `client_optimizer`'s step on g (freshly initialized each round, as in
-  tff.learning's FedAvg). With Option I, a pass over the same dataset at x
-  first computes c_i+ = g_i(x) (example-weighted mean gradient).
+  Starting from the server model x, one step per batch: masked variables
+  y <- y - eta * (g - c_i + c) with plain SGD (so Option II's closed form
+  holds exactly), unmasked variables take `client_optimizer`'s step on g
+  (freshly initialized each round, as in tff.learning's FedAvg). With
+  Option I, a first pass over the client's data at x computes
+  c_i+ = g_i(x) (the example-weighted mean gradient); the training pass
+  follows (the data reshuffled).
 
-  The result (an OrderedDict):
-    model_delta: y - x of every trainable variable.
-    control_variate_delta: c_i+ - c_i (masked variables).
-    client_state: OrderedDict(control_variate=c_i+).
-    weight: examples processed (0 if none) or 1.0 under uniform weighting.
-    local_steps: K_i, the batches processed.
-    metrics: the model's unfinalized training metrics (local steps only).
-    layer_sq_norms: ||y - x||^2 per layer (only with `layer_of_variable`).
-
-  A client without data leaves y = x and c_i unchanged.
+  The context is the client's `tff.learning` VariableModel; the message
+  holds `global_model_weights` (x) and `control_variate` (c); the client
+  state `control_variate` (c_i). The result sends y - x (weighted by the
+  examples processed, or 1 with `uniform_weighting`), sums c_i+ - c_i, keeps
+  c_i+ as the new state; a client without data leaves y = x and c_i. With
+  `layer_of_variable`, it also measures ||y - x||^2 per layer and y - x
+  (drift diversity).
   """
   mask = tuple(mask)
   option = int(option)
@@ -144,72 +133,85 @@ def build_client_update(model: tff.learning.models.VariableModel,
     raise ValueError(f'option={option} is unknown; allowed: 1, 2')
   learning_rate = float(learning_rate)
   has_unmasked = not all(mask)
-  training_loop = (_REDUCE_LOOP if option == OPTION_GRADIENT_AT_SERVER_MODEL
-                   else _ITERATOR_LOOP)
+  masked_specs_, unmasked_specs = split_masked(trainable_specs, mask)
 
-  def sum_of_gradients_at_model(dataset, variables):
-    """Sum over batches of batch_size * grad(mean batch loss), and n."""
-
-    def add_batch(state, batch):
-      gradient_sums, num_examples = state
-      with tf.GradientTape() as tape:
-        output = model.forward_pass(batch, training=True)
-      batch_size = tf.cast(output.num_examples, tf.float32)
-      gradients = tape.gradient(output.loss, variables)
-      return (tuple(s + batch_size * g
-                    for s, g in zip(gradient_sums, gradients)),
-              num_examples + batch_size)
-
-    # Tuples, not lists: the loop would stack a list into one tensor.
-    return training_loop(add_batch, dataset, lambda: (
-        tuple(tf.zeros_like(v) for v in variables), tf.constant(0.0)))
-
-  @tf.function
-  def client_update(initial_weights, server_cv, client_cv, dataset):
+  def start(model, message, client_state):
+    del client_state
     weights = ModelWeights.from_model(model)
-    tf.nest.map_structure(lambda v, t: v.assign(t), weights, initial_weights)
-    trainable = list(weights.trainable)
-    masked_vars, unmasked_vars = split_masked(trainable, mask)
-    corrections = [c - ci for c, ci in zip(server_cv, client_cv)]
-
+    tf.nest.map_structure(lambda v, t: v.assign(t), weights,
+                          message['global_model_weights'])
+    carry = collections.OrderedDict(
+        num_steps=tf.constant(0, tf.int64),
+        num_examples=tf.constant(0, tf.int64),
+        # Tuples, not lists: a loop would stack a list into one tensor.
+        optimizer_state=(client_optimizer.initialize(tuple(unmasked_specs))
+                         if has_unmasked else ()))
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
-      gradient_sums, total = sum_of_gradients_at_model(dataset, masked_vars)
-      gradient_at_x = [s / tf.maximum(total, 1.0) for s in gradient_sums]
-      # The extra pass must not count towards the training metrics.
-      model.reset_metrics()
+      carry['gradient_sums'] = tuple(zeros_like_specs(masked_specs_))
+      carry['gradient_examples'] = tf.constant(0.0)
+      carry['gradient_at_x'] = tuple(zeros_like_specs(masked_specs_))
+    return carry
 
-    def train_on_batch(state, batch):
-      num_steps, num_examples, optimizer_state = state
-      with tf.GradientTape() as tape:
-        output = model.forward_pass(batch, training=True)
-      gradients = tape.gradient(output.loss, trainable)
-      masked_grads, unmasked_grads = split_masked(gradients, mask)
-      for variable, gradient, correction in zip(masked_vars, masked_grads,
-                                                corrections):
-        variable.assign_sub(learning_rate * (gradient + correction))
-      if has_unmasked:
-        optimizer_state, updated = client_optimizer.next(
-            optimizer_state, tuple(unmasked_vars), tuple(unmasked_grads))
-        for variable, value in zip(unmasked_vars, updated):
-          variable.assign(value)
-      return (num_steps + 1,
-              num_examples + tf.cast(output.num_examples, tf.int64),
-              optimizer_state)
+  def gradient_at_model_step(model, message, client_state, carry, batch):
+    """Option I's first pass: sum of batch_size * grad(mean batch loss)."""
+    del message, client_state
+    masked_vars, _ = split_masked(
+        list(ModelWeights.from_model(model).trainable), mask)
+    with tf.GradientTape() as tape:
+      output = model.forward_pass(batch, training=True)
+    batch_size = tf.cast(output.num_examples, tf.float32)
+    gradients = tape.gradient(output.loss, masked_vars)
+    carry = collections.OrderedDict(carry)
+    carry['gradient_sums'] = tuple(
+        s + batch_size * g for s, g in zip(carry['gradient_sums'], gradients))
+    carry['gradient_examples'] = carry['gradient_examples'] + batch_size
+    return carry
 
-    optimizer_state = ()
+  def gradient_at_model_done(model, message, client_state, carry):
+    del message, client_state
+    carry = collections.OrderedDict(carry)
+    carry['gradient_at_x'] = tuple(
+        s / tf.maximum(carry['gradient_examples'], 1.0)
+        for s in carry['gradient_sums'])
+    # The extra pass must not count towards the training metrics.
+    model.reset_metrics()
+    return carry
+
+  def train_step(model, message, client_state, carry, batch):
+    trainable = list(ModelWeights.from_model(model).trainable)
+    masked_vars, unmasked_vars = split_masked(trainable, mask)
+    corrections = [c - ci for c, ci in zip(message['control_variate'],
+                                           client_state['control_variate'])]
+    with tf.GradientTape() as tape:
+      output = model.forward_pass(batch, training=True)
+    gradients = tape.gradient(output.loss, trainable)
+    masked_grads, unmasked_grads = split_masked(gradients, mask)
+    for variable, gradient, correction in zip(masked_vars, masked_grads,
+                                              corrections):
+      variable.assign_sub(learning_rate * (gradient + correction))
+    optimizer_state = carry['optimizer_state']
     if has_unmasked:
-      optimizer_state = client_optimizer.initialize(tuple(
-          tf.TensorSpec(v.shape, v.dtype) for v in unmasked_vars))
-    num_steps, num_examples, _ = training_loop(
-        train_on_batch, dataset, lambda: (
-            tf.constant(0, tf.int64), tf.constant(0, tf.int64),
-            optimizer_state))
+      optimizer_state, updated = client_optimizer.next(
+          optimizer_state, tuple(unmasked_vars), tuple(unmasked_grads))
+      for variable, value in zip(unmasked_vars, updated):
+        variable.assign(value)
+    carry = collections.OrderedDict(carry)
+    carry['num_steps'] = carry['num_steps'] + 1
+    carry['num_examples'] = carry['num_examples'] + tf.cast(
+        output.num_examples, tf.int64)
+    carry['optimizer_state'] = optimizer_state
+    return carry
 
-    model_delta = [v - x for v, x in zip(trainable, initial_weights.trainable)]
+  def finish(model, message, client_state, carry):
+    x = message['global_model_weights']
+    client_cv = client_state['control_variate']
+    trainable = list(ModelWeights.from_model(model).trainable)
+    model_delta = [v - w for v, w in zip(trainable, x.trainable)]
+    num_steps = carry['num_steps']
     trained = num_steps > 0
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       new_cv = [tf.where(trained, g, ci)
-                for g, ci in zip(gradient_at_x, client_cv)]
+                for g, ci in zip(carry['gradient_at_x'], client_cv)]
     else:
       steps_times_lr = tf.cast(num_steps, tf.float32) * learning_rate
       masked_delta, _ = split_masked(model_delta, mask)
@@ -217,24 +219,30 @@ def build_client_update(model: tff.learning.models.VariableModel,
       new_cv = [tf.where(trained, ci - c - d / tf.maximum(steps_times_lr,
                                                             learning_rate),
                          ci)
-                for ci, c, d in zip(client_cv, server_cv, masked_delta)]
-    if uniform_weighting:
-      weight = tf.constant(1.0)
-    else:
-      weight = tf.cast(num_examples, tf.float32)
-    result = collections.OrderedDict(
-        model_delta=model_delta,
-        control_variate_delta=[n - o for n, o in zip(new_cv, client_cv)],
-        client_state=collections.OrderedDict(control_variate=new_cv),
-        weight=weight,
-        local_steps=num_steps,
-        metrics=model.report_local_unfinalized_metrics())
+                for ci, c, d in zip(client_cv, message['control_variate'],
+                                    masked_delta)]
+    weight = (tf.constant(1.0) if uniform_weighting else
+              tf.cast(carry['num_examples'], tf.float32))
+    measurements = collections.OrderedDict()
     if layer_of_variable is not None:
-      result['layer_sq_norms'] = layer_squared_norms(model_delta,
-                                                     layer_of_variable)
-    return result
+      measurements['layer_sq_norms'] = layer_squared_norms(model_delta,
+                                                           layer_of_variable)
+      measurements['model_delta'] = model_delta
+    return round_lib.ClientResult(
+        model_update=model_delta, weight=weight,
+        sums=collections.OrderedDict(control_variate_delta=[
+            n - o for n, o in zip(new_cv, client_cv)]),
+        measurements=measurements,
+        metrics=model.report_local_unfinalized_metrics(),
+        state=collections.OrderedDict(control_variate=new_cv))
 
-  return client_update
+  if option == OPTION_GRADIENT_AT_SERVER_MODEL:
+    return round_lib.ClientWork(
+        start=start, steps=(gradient_at_model_step, train_step),
+        end_pass=(gradient_at_model_done,
+                  lambda model, message, client_state, carry: carry),
+        finish=finish)
+  return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish)
 
 
 # ----------------------------------------------------------------------------
@@ -274,19 +282,22 @@ def drift_diversity_metrics(sum_of_sq_norms: tf.Tensor, sum_of_deltas,
 def server_update(server_optimizer: tff.learning.optimizers.Optimizer,
                   model_weights: ModelWeights, optimizer_state,
                   control_variate, mean_model_delta, control_variate_delta_sum,
-                  num_train_clients: int):
-  """x <- ServerOpt(x, -mean_p(y_i - x)); c <- c + sum_S(c_i+ - c_i) / N.
+                  num_clients, num_train_clients: int):
+  """x <- ServerOpt(x, -mean_p(y_i - x));
+  c <- c + (|S|/N) * (1/|S|) sum_S (c_i+ - c_i).
 
   With SGD at eta_s the first is x + eta_s * mean_p(y_i - x). The second is
-  papers/004's c <- c + (|S|/N) * (1/|S|) sum_S (c_i+ - c_i): a uniform mean
-  whatever p weights the model deltas with, so c stays the mean of all N
-  clients' c_i (eq. 21). Returns (weights, optimizer state, c).
+  [SCAFFOLD] Alg. 1's rule: a uniform mean whatever p weights the model
+  deltas with, so c stays the mean of all N clients' c_i (eq. 21).
+  Returns (weights, optimizer state, c).
   """
   optimizer_state, trainable = server_optimizer.next(
       optimizer_state, tuple(model_weights.trainable),
       tuple(-d for d in mean_model_delta))
+  clients = tf.cast(num_clients, tf.float32)
+  participation = clients / float(num_train_clients)
   new_control_variate = [
-      c + d / float(num_train_clients)
+      c + participation * (d / clients)
       for c, d in zip(control_variate, control_variate_delta_sum)]
   return (ModelWeights(list(trainable), list(model_weights.non_trainable)),
           optimizer_state, new_control_variate)
