@@ -68,6 +68,34 @@ def test_fedpvr_partial_mask_matches_hand_computation(run):
     assert not np.allclose(reference.weights[0], other.weights[0], rtol=1e-4)
 
 
+# Both options' c_i and both runtimes: 2 of the 4 unequal clients a round
+# (K_i = 2, 3, 1, 3 steps of one epoch), clients weighted by examples.
+@pytest.mark.parametrize('algorithm,overrides', [
+    ('scaffold', {}),
+    ('scaffold', {'scaffold_option': 1}),
+    ('fedpvr', {'pvr_start_variable': 1})],
+                         ids=['scaffold_option2', 'scaffold_option1',
+                              'fedpvr_bias'])
+@pytest.mark.parametrize('runtime', ['tff', 'native'])
+def test_server_control_variate_is_the_mean_of_all_client_control_variates(
+    run, algorithm, overrides, runtime):
+  rounds = 5
+  name = f'invariant_{algorithm}_{runtime}_' + '_'.join(
+      f'{k}{v}' for k, v in overrides.items())
+  result = run(name, algorithm, rounds=rounds, runtime=runtime, **overrides)
+  # Every client sampled at least once, one of them more often.
+  sampled = [set(driver.plan_round(lib.SEED, r, lib.NUM_CLIENTS,
+                                   lib.CLIENTS_PER_ROUND).client_indices)
+             for r in range(1, rounds + 1)]
+  assert set().union(*sampled) == set(range(lib.NUM_CLIENTS))
+  server_cv = result.result.server_state['control_variate']
+  assert max(np.abs(c).max() for c in server_cv) > 0.05
+  for j, c in enumerate(server_cv):
+    mean_of_clients = np.mean(
+        [result.client_cvs[k][j] for k in range(lib.NUM_CLIENTS)], axis=0)
+    np.testing.assert_allclose(c, mean_of_clients, rtol=1e-5, atol=1e-6)
+
+
 def test_fedpvr_drift_diversity_and_communication_metrics(run):
   result = run('fedpvr_bias', 'fedpvr', pvr_start_variable=1,
                drift_diversity=True)

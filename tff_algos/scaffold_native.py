@@ -1,8 +1,9 @@
 """SCAFFOLD / FedPVR rounds in-process (the native runtime, SPEC 4.7).
 
 The same `scaffold_tf` functions as `scaffold_tff`'s process, with its
-aggregation: x and c from the p_i-weighted means of the clients' deltas,
-|S| the number of clients, metrics summed then finalized.
+aggregation: x from the p_i-weighted mean of the clients' model deltas, c from
+the uniform mean of their control variate deltas, |S| the number of clients,
+metrics summed then finalized.
 """
 
 import collections
@@ -60,8 +61,7 @@ class ControlVariateRounds:
     new_state = native.to_numpy(self._server_update(
         server_state,
         native.weighted_mean([o['model_delta'] for o in outputs], weights),
-        native.weighted_mean([o['control_variate_delta'] for o in outputs],
-                             weights),
+        native.mean([o['control_variate_delta'] for o in outputs]),
         num_clients))
     metrics = collections.OrderedDict(
         train=native.sum_then_finalize(self._metric_finalizers,

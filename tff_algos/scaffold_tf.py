@@ -259,9 +259,10 @@ def build_server_update(server_optimizer: tff.learning.optimizers.Optimizer,
                         num_train_clients: int):
   """Returns `server_update(state, mean_delta, mean_cv_delta, num_clients)`.
 
-  x <- ServerOpt(x, -mean(y_i - x)), which with SGD at eta_s is
-  x + eta_s * mean(y_i - x); c <- c + (|S|/N) * mean(c_i+ - c_i), so c stays
-  the mean of every client's c_i (papers/004 eq. 21) when the mean is uniform.
+  x <- ServerOpt(x, -mean_p(y_i - x)), which with SGD at eta_s is
+  x + eta_s * mean_p(y_i - x); c <- c + (|S|/N) * mean(c_i+ - c_i) with the
+  uniform mean over the round's clients, so c stays the mean of every
+  client's c_i ([SCAFFOLD] eq. 21).
   """
   population = float(num_train_clients)
 

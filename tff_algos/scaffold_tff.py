@@ -6,14 +6,14 @@ variables only) and the server optimizer's state; all three are checkpointed
 by the driver. Client state: c_i (masked variables only), kept in the driver's
 client-state store and created as zeros the first time a client is sampled.
 
-Aggregation: client weights p_i are the examples processed
-(`--client_weighting=num_examples`, SPEC 5) or 1 (`uniform`, the papers'
-setting). Both x and c use the same weighted mean:
+Aggregation: the model update weights client i by p_i, the examples it
+processed (`--client_weighting=num_examples`) or 1 (`uniform`, the papers'
+setting); the control variate update is always the uniform mean:
   x <- ServerOpt(x, -mean_p(y_i - x))       (SGD: x + eta_s * mean_p(y_i - x))
-  c <- c + (|S|/N) * mean_p(c_i+ - c_i)
-With uniform weights the c rule is papers/004's exactly and keeps c equal to
-the mean of all N clients' c_i. With example weights it equals it whenever the
-sampled clients process the same number of examples (fixed K and batch size).
+  c <- c + (|S|/N) * mean_{i in S}(c_i+ - c_i)
+The c rule is [SCAFFOLD]'s (Algorithm 1 line 17, eq. 21): it keeps c equal to
+(1/N) sum_i c_i over all N clients, stored or never sampled (c_i = 0), for
+any client sizes; an example-weighted mean would not (tests/test_scaffold_math.py).
 """
 
 import collections
@@ -153,8 +153,8 @@ def build_control_variate_algorithm(
         tff.federated_broadcast(server_state.control_variate),
         client_inputs.state.control_variate, client_inputs.data))
     mean_model_delta = tff.federated_mean(outputs.model_delta, outputs.weight)
-    mean_cv_delta = tff.federated_mean(outputs.control_variate_delta,
-                                       outputs.weight)
+    # Uniform, whatever the model's weighting: c = (1/N) sum_i c_i.
+    mean_cv_delta = tff.federated_mean(outputs.control_variate_delta)
     num_clients = tff.federated_sum(tff.federated_map(one_client,
                                                       outputs.weight))
     new_state = tff.federated_map(server_update, (
