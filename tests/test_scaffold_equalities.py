@@ -56,7 +56,7 @@ def with_control_variates_zeroed(algorithm):
   @tff.tensorflow.computation(state_type.member)
   def zero_server_cv(state):
     return collections.OrderedDict(
-        model=state['model'],
+        global_model_weights=state['global_model_weights'],
         control_variate=[tf.zeros_like(c) for c in state['control_variate']],
         optimizer_state=state['optimizer_state'])
 

@@ -104,13 +104,15 @@ def test_fedpvr_drift_diversity_and_communication_metrics(run):
   # The linear model is one layer (kernel and bias).
   np.testing.assert_allclose(result.columns['drift_diversity/layer_0'],
                              reference.drift_diversity, rtol=1e-5)
-  # d = 3 model floats, v = 1 masked: each client receives x and c and sends
-  # y - x and c_i+ - c_i, (2d + 2v) / d = 8/3 model copies, 4 bytes each.
-  np.testing.assert_allclose(
-      result.columns['communication/model_copies_per_client'], 8 / 3)
-  np.testing.assert_allclose(
-      result.columns['communication/bytes_clients_to_server'],
-      lib.CLIENTS_PER_ROUND * 4 * 4)
+  # d = 3 model floats, v = 1 masked, 4 bytes each: each client receives x
+  # and c, and sends y - x, c_i+ - c_i, its weight and metric sums: FedAvg's
+  # upload plus c_i+ - c_i.
+  np.testing.assert_array_equal(
+      result.columns['communication/bytes_down_per_client'], 4 * (3 + 1))
+  fedavg = run('fedavg', 'fedavg')
+  np.testing.assert_array_equal(
+      result.columns['communication/bytes_up_per_client'],
+      np.asarray(fedavg.columns['communication/bytes_up_per_client']) + 4)
 
 
 # Masks and drift diversity (no TFF).

@@ -38,6 +38,13 @@ def type_bytes(value_type: tff.Type) -> int:
   raise ValueError(f'cannot size a value of type {value_type}')
 
 
+def value_bytes(structure) -> int:
+  """Bytes of a structure of arrays or tensors (dense, uncompressed): the
+  in-process counterpart of `type_bytes`."""
+  return sum(int(np.asarray(leaf).nbytes)
+             for leaf in tf.nest.flatten(structure))
+
+
 def metrics(bytes_down: int, bytes_up: int,
             augmenting_bytes_down: Optional[int] = None
             ) -> collections.OrderedDict:
