@@ -21,7 +21,8 @@ flags.DEFINE_integer('total_rounds', 10, 'Rounds to train (resumes if more).')
 flags.DEFINE_integer('clients_per_round', 10,
                      'Clients sampled per round (default: the task\'s, e.g. '
                      'all clients for cifar10/cifar100, 20%% for emnist; '
-                     'otherwise 10).')
+                     'otherwise 10, or all clients of a smaller '
+                     'population).')
 flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
@@ -328,15 +329,20 @@ def _task_options() -> dict:
 
 
 def apply_built_task_defaults(task: task_base.Task) -> None:
-  """Flags whose default depends on the built task (e.g. full participation
-  over the task's population), unless given explicitly.
+  """Flags whose default depends on the built task, unless given explicitly:
+  the task's own cohort (e.g. full participation for cifar), and full
+  participation when the population is smaller than the default cohort
+  (fedres_toy's 2 clients).
 
   The resolved value is what hparams.json records, so evaluate/export and a
   resumed run see the same value.
   """
-  if (not FLAGS['clients_per_round'].present and
-      task.default_clients_per_round is not None):
+  if FLAGS['clients_per_round'].present:
+    return
+  if task.default_clients_per_round is not None:
     FLAGS.clients_per_round = task.default_clients_per_round
+  FLAGS.clients_per_round = min(FLAGS.clients_per_round,
+                                task.num_train_clients)
 
 
 def algorithm_config(num_train_clients: int,
