@@ -1,4 +1,4 @@
-"""Command-line flags shared by the binaries (names fixed by SPEC 7)."""
+"""Command-line flags shared by the binaries."""
 
 from typing import Any, Callable, Optional, Union
 
@@ -69,7 +69,7 @@ flags.DEFINE_string('movielens_dir', None,
                     'ML-100K u.data; movielens_ratings: ML-100K u.data, '
                     'u.item).')
 flags.DEFINE_float('heterogeneity', 1.0,
-                   'fedres_logistic: alpha of papers/000 eq. 13 in [0, 1]; 0 '
+                   'fedres_logistic: alpha of [FedRes] eq. 13 in [0, 1]; 0 '
                    'gives every client the same distribution.')
 flags.DEFINE_string('celeba_mode', 'mixed',
                     'celeba_smile: mixed (federated smiling / central '
@@ -191,12 +191,12 @@ def _paper_cohort(flag_values: flags.FlagValues) -> int:
 
 def _central_step_of_client_and_server_steps(
     flag_values: flags.FlagValues) -> float:
-  # eta_c = eta * eta_s (papers/002 Appendix C.2).
+  # eta_c = eta * eta_s ([MixedFL] App. C.2).
   return flag_values.client_learning_rate * flag_values.server_learning_rate
 
 
 TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
-    # papers/002 Table C.2 (SPEC 5.2).
+    # [MixedFL] Table C.2.
     'celeba_smile': {
         'clients_per_round': _paper_cohort,
         'client_batch_size': 5,
@@ -212,7 +212,7 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         'federated_weight': 0.5,
         'central_weight': 0.5,
     },
-    # papers/002 Tables C.2, language model (Sec. 5.2).
+    # [MixedFL] Table C.2, language model (Sec. 5.2).
     'stackoverflow_char': {
         'clients_per_round': _paper_cohort,
         'client_batch_size': 8,
@@ -230,7 +230,7 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         'federated_weight': 0.73,
         'central_weight': 0.27,
     },
-    # papers/002 Table C.2 (movie recommender): S=100, |B_i|=16, K=10,
+    # [MixedFL] Table C.2 (movie recommender): S=100, |B_i|=16, K=10,
     # eta=0.5, eta_s=1, eta_c=eta, eta_m=1, w_f=w_c=0.5; the central loss is
     # data-free (spreadout), computed at the server by the mixed algorithms
     # and on the clients by the baseline.
@@ -286,7 +286,8 @@ def all_values() -> dict:
 
 
 def configure_execution() -> None:
-  """The TFF execution context the flags ask for (SPEC 4.6)."""
+  """The TFF execution context the flags ask for (README, Several TFF
+  workers)."""
   tff_runtime.configure_execution(
       FLAGS.max_concurrent_computation_calls, num_workers=FLAGS.num_workers,
       worker_addresses=tff_runtime.parse_worker_addresses(

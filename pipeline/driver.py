@@ -1,4 +1,4 @@
-"""The one training loop every algorithm runs through (SPEC 4.5).
+"""The one training loop every algorithm runs through.
 
 Per round: sample client ids uniformly without replacement, read their stored
 states, run the by-id TFF process, write the new states, log metrics, evaluate
@@ -44,7 +44,7 @@ class RunConfig:
   client_state_store: str = 'auto'
   checkpoints_to_keep: int = 3
   export: bool = True
-  # 'tff' (TFF's runtime) or 'native' (in-process TF, SPEC 4.7).
+  # 'tff' (TFF's runtime) or 'native' (in-process TF).
   runtime: str = 'tff'
 
   @property

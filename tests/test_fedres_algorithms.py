@@ -1,4 +1,4 @@
-"""FedRes TFF rounds against hand-derived numpy rounds (papers/000 Alg. 2-4).
+"""FedRes TFF rounds against hand-derived numpy rounds ([FedRes] Algs. 2-4).
 
 One round of each variant on a linear residual model with an overlapping
 global/local feature split, clients of different sizes (K_i = 2 and 3), non-zero

@@ -1,4 +1,4 @@
-"""Client drift on fedres_toy (papers/000 Appendix E.1), fast versions.
+"""Client drift on fedres_toy ([FedRes] App. E.1), fast versions.
 
 `experiments/fedres_toy.py` prints the full table (K up to 50, 300 rounds).
 Here, with the paper's eta = lambda = 0.01 and alpha = 1:

@@ -1,4 +1,4 @@
-"""The native runtime (SPEC 4.7) gives the TFF runtime's rounds.
+"""The native runtime (`--runtime=native`) gives the TFF runtime's rounds.
 
 Both runtimes run the same by-id rounds (same client ids, shuffle seeds and
 central seed) from the same state on a tiny task whose clients differ in size

@@ -1,4 +1,4 @@
-"""SCAFFOLD / FedPVR through the train binary on real digits (SPEC 7, 8).
+"""SCAFFOLD / FedPVR through the train binary on real digits.
 
 The binary's `main` runs in-process with real flags on the setting of the
 SCAFFOLD paper's experiments: digits with 0% similarity (label-sorted), 20 of

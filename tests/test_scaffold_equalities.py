@@ -1,4 +1,4 @@
-"""SCAFFOLD / FedPVR special cases, equal to float rounding (SPEC 5.3, 5.4).
+"""SCAFFOLD / FedPVR special cases, equal to float rounding.
 
 On the linear task of scaffold_testlib (unequal clients, 2 of 4 sampled per
 round, eta_s = 0.5), through `pipeline.driver.train`, comparing the final

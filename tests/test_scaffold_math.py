@@ -1,4 +1,4 @@
-"""SCAFFOLD / FedPVR rounds against hand computation (SPEC 5.3, 5.4).
+"""SCAFFOLD / FedPVR rounds against hand computation ([SCAFFOLD] Alg. 1, [FedPVR] Alg. I).
 
 Two rounds on a linear-regression task with 2 of 4 clients sampled per round
 (|S| < N, so the |S|/N rule for c and the stored c_i of a client sampled twice

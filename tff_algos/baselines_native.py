@@ -1,4 +1,4 @@
-"""FedAvg, FedProx and FedSGD rounds in-process (the native runtime, SPEC 4.7).
+"""FedAvg, FedProx and FedSGD rounds in-process (the native runtime, `--runtime=native`).
 
 The client updates are the tf.functions the TFF processes map over the
 clients: tff.learning's

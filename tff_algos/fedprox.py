@@ -1,6 +1,6 @@
 """FedProx with the paper's proximal term, on tff.learning's FedAvg templates.
 
-FedProx [FedProx] (Algorithm 2) has client k minimize, from the server model
+FedProx ([FedProx] Alg. 2) has client k minimize, from the server model
 w^t, the local objective h_k(w; w^t) = F_k(w) + (mu/2) ||w - w^t||^2 (eq. 2),
 whose gradient adds mu * (w - w^t) to the loss gradient: the term pulls the
 local model back towards the server model.

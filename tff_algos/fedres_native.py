@@ -1,4 +1,4 @@
-"""FedRes rounds run in-process, without TFF (SPEC 4.7's native path).
+"""FedRes rounds run in-process, without TFF (`--runtime=native`).
 
 Runs the same per-client function as the TFF process (`fedres_tf.client_round`,
 eagerly: its batch steps are compiled, its loops are Python) client by client,

@@ -1,4 +1,4 @@
-"""FedResNaive, FedResSGD and FedResAvg as TFF processes (SPEC 5.5).
+"""FedResNaive, FedResSGD and FedResAvg as TFF processes ([FedRes] Algs. 2-4).
 
 The TF math is in `fedres_tf`; this module only places, broadcasts and
 aggregates around it, following the process contract (`contract`):
@@ -53,17 +53,17 @@ RESIDUAL_TASKS_HINT = 'fedres_toy, fedres_logistic, movielens_ratings'
 
 
 def build_fedres_naive(task: base.Task, config: AlgorithmConfig):
-  """FedResNaive (papers/000 Algorithm 2)."""
+  """FedResNaive ([FedRes] Alg. 2)."""
   return _build('naive', task, config)
 
 
 def build_fedres_sgd(task: base.Task, config: AlgorithmConfig):
-  """FedResSGD (papers/000 Algorithm 3)."""
+  """FedResSGD ([FedRes] Alg. 3)."""
   return _build('sgd', task, config)
 
 
 def build_fedres_avg(task: base.Task, config: AlgorithmConfig):
-  """FedResAvg, Option I or II (papers/000 Algorithm 4)."""
+  """FedResAvg, Option I or II ([FedRes] Alg. 4)."""
   return _build('avg', task, config)
 
 

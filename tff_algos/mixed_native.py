@@ -1,4 +1,4 @@
-"""Mixed FL rounds in-process (the native runtime, SPEC 4.7).
+"""Mixed FL rounds in-process (the native runtime, `--runtime=native`).
 
 The same `mixed_tf` round pieces as `mixed_tff`'s process, in its order:
 central work at x, broadcast of x (and the augmenting gradient), client work,

@@ -1,4 +1,4 @@
-"""TF math of mixed FL (papers/002 Algorithms 1-2 and Appendix A; SPEC 5.2).
+"""TF math of mixed FL ([MixedFL] Algs. 1-2 and App. A).
 
 Plain TensorFlow over a `tff.learning.models.VariableModel`, lists of weight
 tensors, `tff.learning.optimizers` and datasets; `mixed_tff` only places,

@@ -1,6 +1,6 @@
 """Mixed FL processes: Parallel Training, 1-way and 2-way Gradient Transfer.
 
-papers/002 Algorithms 1 and 2 (SPEC 5.2) as dataset-level processes of the
+[MixedFL] Algs. 1 and 2 as dataset-level processes of the
 common contract (tff_algos.contract). The math lives in `mixed_tf`; here TFF
 only places it: the central work runs at the server on the round's central
 batches (or on a data-free central loss), the server broadcasts the model

@@ -1,4 +1,4 @@
-"""SCAFFOLD / FedPVR rounds in-process (the native runtime, SPEC 4.7).
+"""SCAFFOLD / FedPVR rounds in-process (the native runtime, `--runtime=native`).
 
 The same `scaffold_tf` functions as `scaffold_tff`'s process, with its
 aggregation: x from the p_i-weighted mean of the clients' model deltas, c from

@@ -1,4 +1,4 @@
-"""SCAFFOLD / FedPVR update logic in plain TensorFlow (SPEC 5.3, 5.4).
+"""SCAFFOLD / FedPVR update logic in plain TensorFlow ([SCAFFOLD] Alg. 1, [FedPVR] Alg. I).
 
 One implementation serves both algorithms: a mask over the model's trainable
 variables picks those that get control variates. Masked variables take
@@ -32,7 +32,7 @@ _REDUCE_LOOP = loop_builder.build_training_loop(
 
 ModelWeights = tff.learning.models.ModelWeights
 
-# Control-variate options of SCAFFOLD (papers/004 Alg. 1 line 12).
+# Control-variate options of SCAFFOLD ([SCAFFOLD] Alg. 1 line 12).
 OPTION_GRADIENT_AT_SERVER_MODEL = 1  # c_i+ = g_i(x), one extra pass.
 OPTION_FROM_LOCAL_STEPS = 2  # c_i+ = c_i - c + (x - y) / (K_i * eta).
 OPTIONS = (OPTION_GRADIENT_AT_SERVER_MODEL, OPTION_FROM_LOCAL_STEPS)
@@ -285,7 +285,7 @@ def build_server_update(server_optimizer: tff.learning.optimizers.Optimizer,
 
 
 # ----------------------------------------------------------------------------
-# Drift diversity (papers/003 Definition 1).
+# Drift diversity ([FedPVR] Def. 1).
 
 
 def layer_squared_norms(tensors: Sequence[tf.Tensor],

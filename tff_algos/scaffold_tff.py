@@ -1,4 +1,4 @@
-"""SCAFFOLD and FedPVR as TFF processes on the common contract (SPEC 5.3, 5.4).
+"""SCAFFOLD and FedPVR as TFF processes on the common contract ([SCAFFOLD], [FedPVR]).
 
 The TF math is in `scaffold_tf`; this module only places, broadcasts, maps
 and aggregates. Server state: the model x (`global_model_weights`), the server
@@ -12,7 +12,7 @@ processed (`--client_weighting=num_examples`) or 1 (`uniform`, the papers'
 setting); the control variate update is always the uniform mean:
   x <- ServerOpt(x, -mean_p(y_i - x))       (SGD: x + eta_s * mean_p(y_i - x))
   c <- c + (|S|/N) * mean_{i in S}(c_i+ - c_i)
-The c rule is [SCAFFOLD]'s (Algorithm 1 line 17, eq. 21): it keeps c equal to
+The c rule is [SCAFFOLD] Alg. 1 line 17 (and eq. 21): it keeps c equal to
 (1/N) sum_i c_i over all N clients, stored or never sampled (c_i = 0), for
 any client sizes; an example-weighted mean would not (tests/test_scaffold_math.py).
 """
@@ -201,7 +201,7 @@ def set_model_weights(server_state, weights: ModelWeights):
 
 def build_scaffold(model_fn: Callable,
                    config: AlgorithmConfig) -> contract.FederatedAlgorithm:
-  """SCAFFOLD (papers/004 Alg. 1): control variates on every variable."""
+  """SCAFFOLD ([SCAFFOLD] Alg. 1): control variates on every variable."""
   return build_control_variate_algorithm(
       'scaffold', model_fn, config,
       lambda names: tuple(True for _ in names), SCAFFOLD_FLAGS)
@@ -209,7 +209,7 @@ def build_scaffold(model_fn: Callable,
 
 def build_fedpvr(model_fn: Callable,
                  config: AlgorithmConfig) -> contract.FederatedAlgorithm:
-  """FedPVR (papers/003 Alg. I): control variates on the last layers only."""
+  """FedPVR ([FedPVR] Alg. I): control variates on the last layers only."""
   start: Optional[int] = config.pvr_start_variable
   last_layers = None if start is not None else config.pvr_last_layers
   return build_control_variate_algorithm(
