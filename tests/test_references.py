@@ -3,7 +3,7 @@
 Code, docs and tests cite papers as `[Label] Alg. 1`, `[Label] Sec. 5.3`,
 ...; every label must be one of references.md's entries, each with its
 authors, title and arXiv id, and nothing may cite documents a clone does not
-have (a specification's section numbers, local paper files).
+have (a specification's section numbers, paper files by number).
 """
 
 import os
@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCES = os.path.join(REPO, 'docs', 'references.md')
 CITATION = re.compile(
     r'\[([A-Za-z]+)\] (?:Alg|Algs|Sec|App|eq|eqs|Table|Fig|Def|Thm)\b')
-UNRESOLVABLE = re.compile(r'SPEC\s*§?\s*\d|papers/\d{3}|/work/shared')
+UNRESOLVABLE = re.compile(r'SPEC\s*§?\s*\d|papers/\d{3}')
 
 
 def _sources():
