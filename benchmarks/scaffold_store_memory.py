@@ -1,4 +1,4 @@
-"""Resident memory of a SCAFFOLD run as the clients ever sampled grow (SPEC 4.3).
+"""Resident memory of a SCAFFOLD run as the clients ever sampled grow.
 
 Trains SCAFFOLD through `pipeline.driver.train` on a synthetic population of
 `--population` clients (default 10,000; each a few generated examples of one

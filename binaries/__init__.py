@@ -1,7 +1,9 @@
-"""absl binaries: train, evaluate, export, plot."""
+"""absl binaries: train, evaluate, export, plot, benchmark."""
 
-import os
+import sys
 
-# Must precede the first TensorFlow import: hide C++ INFO/WARNING chatter
-# (TensorRT probing, graph-optimizer notes) from every binary's output.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from pipeline import tf_logs
+
+# Before anything imports TensorFlow: its C++ import noise is filtered and
+# its C++ log level set to errors only (pipeline/tf_logs.py has the switches).
+tf_logs.quiet_tensorflow_import(sys.argv)

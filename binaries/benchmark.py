@@ -5,7 +5,7 @@ On a CelebA-shaped synthetic task (84x84x3 images, flatten + Dense(64, relu)
 times one round three ways on this machine, each in its own process:
 
   (a) tff:   this project's driver (pipeline/driver.py) on TFF's C++ runtime,
-             clients passed by id, datasets built inside TFF (SPEC 4.4);
+             clients passed by id, datasets built inside TFF;
              `round_seconds` from metrics.csv, so evaluation and
              checkpointing are left out;
   (b) naive: `tff.learning.algorithms.build_weighted_fed_avg` fed a Python

@@ -28,7 +28,8 @@ flags.DEFINE_integer('total_rounds', 10, 'Rounds to train (resumes if more).')
 flags.DEFINE_integer('clients_per_round', 10,
                      'Clients sampled per round (default: the task\'s, e.g. '
                      'all clients for cifar10/cifar100, 20%% for emnist; '
-                     'otherwise 10).')
+                     'otherwise 10, or all clients of a smaller '
+                     'population).')
 flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
@@ -80,7 +81,7 @@ flags.DEFINE_string('movielens_dir', None,
                     'ML-100K u.data; movielens_ratings: ML-100K u.data, '
                     'u.item).')
 flags.DEFINE_float('heterogeneity', 1.0,
-                   'fedres_logistic: alpha of papers/000 eq. 13 in [0, 1]; 0 '
+                   'fedres_logistic: alpha of [FedRes] eq. 13 in [0, 1]; 0 '
                    'gives every client the same distribution.')
 flags.DEFINE_string('celeba_mode', 'mixed',
                     'celeba_smile: mixed (federated smiling / central '
@@ -185,12 +186,12 @@ def _paper_cohort(flag_values: flags.FlagValues) -> int:
 
 def _central_step_of_client_and_server_steps(
     flag_values: flags.FlagValues) -> float:
-  # eta_c = eta * eta_s (papers/002 Appendix C.2).
+  # eta_c = eta * eta_s ([MixedFL] App. C.2).
   return flag_values.client_learning_rate * flag_values.server_learning_rate
 
 
 TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
-    # papers/002 Table C.2 (SPEC 5.2).
+    # [MixedFL] Table C.2.
     'celeba_smile': {
         'clients_per_round': _paper_cohort,
         'client_batch_size': 5,
@@ -206,7 +207,7 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         'federated_weight': 0.5,
         'central_weight': 0.5,
     },
-    # papers/002 Tables C.2, language model (Sec. 5.2).
+    # [MixedFL] Table C.2, language model (Sec. 5.2).
     'stackoverflow_char': {
         'clients_per_round': _paper_cohort,
         'client_batch_size': 8,
@@ -224,7 +225,7 @@ TASK_DEFAULTS: dict[str, dict[str, TaskDefault]] = {
         'federated_weight': 0.73,
         'central_weight': 0.27,
     },
-    # papers/002 Table C.2 (movie recommender): S=100, |B_i|=16, K=10,
+    # [MixedFL] Table C.2 (movie recommender): S=100, |B_i|=16, K=10,
     # eta=0.5, eta_s=1, eta_c=eta, eta_m=1, w_f=w_c=0.5; the central loss is
     # data-free (spreadout), computed at the server by the mixed algorithms
     # and on the clients by the baseline.
@@ -280,7 +281,8 @@ def all_values() -> dict:
 
 
 def configure_execution() -> None:
-  """The TFF execution context the flags ask for (SPEC 4.6)."""
+  """The TFF execution context the flags ask for (README, Several TFF
+  workers)."""
   tff_runtime.configure_execution(
       FLAGS.max_concurrent_computation_calls, num_workers=FLAGS.num_workers,
       worker_addresses=tff_runtime.parse_worker_addresses(
@@ -323,15 +325,20 @@ def _task_options() -> dict:
 
 
 def apply_built_task_defaults(task: task_base.Task) -> None:
-  """Flags whose default depends on the built task (e.g. full participation
-  over the task's population), unless given explicitly.
+  """Flags whose default depends on the built task, unless given explicitly:
+  the task's own cohort (e.g. full participation for cifar), and full
+  participation when the population is smaller than the default cohort
+  (fedres_toy's 2 clients).
 
   The resolved value is what hparams.json records, so evaluate/export and a
   resumed run see the same value.
   """
-  if (not FLAGS['clients_per_round'].present and
-      task.default_clients_per_round is not None):
+  if FLAGS['clients_per_round'].present:
+    return
+  if task.default_clients_per_round is not None:
     FLAGS.clients_per_round = task.default_clients_per_round
+  FLAGS.clients_per_round = min(FLAGS.clients_per_round,
+                                task.num_train_clients)
 
 
 def build_algorithm(task: task_base.Task):

@@ -1,6 +1,6 @@
-"""Figure 1a / 2a of papers/002 on celeba_smile: mixed FL vs. FL only vs. oracle.
+"""Fig. 1a / 2a of [MixedFL] on celeba_smile: mixed FL vs. FL only vs. oracle.
 
-Runs, through `binaries.train` with the task's paper defaults (SPEC 5.2):
+Runs, through `binaries.train` with the task's paper defaults ([MixedFL] App. C.2):
   fl_only   FedAvg on the federated (smiling) data alone
   oracle    FedAvg with both labels on the same composite clients
   mixed_pt, mixed_1wgt, mixed_2wgt   on federated smiling + central non-smiling

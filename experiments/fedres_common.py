@@ -45,7 +45,7 @@ def run_fedres(variant: str, task: base.Task, config: AlgorithmConfig,
   runner = fedres_native.InProcessRounds(variant, task, config)
   weights = driver.initial_model_weights(task, seed)
   state = runner.initialize()
-  state['global_model'] = tff.learning.models.ModelWeights(
+  state['global_model_weights'] = tff.learning.models.ModelWeights(
       trainable=[np.asarray(w) for w in weights.trainable], non_trainable=[])
   store = client_store_lib.ClientStateStore(runner.initial_client_state)
   evaluator = fedres_eval.PersonalizedEvaluator(
@@ -56,7 +56,7 @@ def run_fedres(variant: str, task: base.Task, config: AlgorithmConfig,
   history = []
 
   def personalized():
-    return evaluator(state['global_model'].trainable, store,
+    return evaluator(state['global_model_weights'].trainable, store,
                      lambda s: s['local_model'])
 
   for round_num in range(1, rounds + 1):
@@ -69,7 +69,7 @@ def run_fedres(variant: str, task: base.Task, config: AlgorithmConfig,
     if eval_every and round_num % eval_every == 0:
       history.append((round_num, personalized()['loss']))
   results = {f'eval_personalized/{k}': v for k, v in personalized().items()}
-  global_only = evaluation.Evaluator(task)(state['global_model'])
+  global_only = evaluation.Evaluator(task)(state['global_model_weights'])
   results.update(global_only)
   results['history'] = history
   store.close()

@@ -1,4 +1,4 @@
-"""FedResAvg-II vs FedAvg and SCAFFOLD on fedres_logistic (papers/000 E.2).
+"""FedResAvg-II vs FedAvg and SCAFFOLD on fedres_logistic ([FedRes] E.2).
 
   python -m experiments.fedres_logistic [--rounds 10] [--heterogeneities 0,1]
 

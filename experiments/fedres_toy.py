@@ -1,4 +1,4 @@
-"""Client drift on the two-client quadratic of papers/000 Appendix E.1.
+"""Client drift on the two-client quadratic of [FedRes] App. E.1.
 
   python -m experiments.fedres_toy [--rounds 300] [--ks 1,5,10,20,50]
 

@@ -1,9 +1,9 @@
-"""papers/002 Sec. 5.3 on MovieLens: mixed FL vs. the baseline, recall@10 and
+"""[MixedFL] Sec. 5.3 on MovieLens: mixed FL vs. the baseline, recall@10 and
 per-client communication and computation (Table 5).
 
 Runs, through `binaries.train --task=movielens` with the task's paper
 defaults (S=100, |B_i|=16, K=10, eta=0.5, eta_s=eta_m=1, eta_c=eta,
-w_f=w_c=0.5; SPEC 5.2):
+w_f=w_c=0.5; [MixedFL] App. C.2):
   baseline    fedavg, hinge + spreadout on every client (--spreadout_on_clients)
   mixed_pt, mixed_1wgt, mixed_2wgt   hinge on clients, spreadout at the server
 then prints, per run, recall@10 on the test users (last evaluation), and the

@@ -1,6 +1,6 @@
 """Split conformal prediction sets for a trained classifier.
 
-FedPVR (papers/003, Fig. 3 and App. C.1) compares methods by the coverage of
+FedPVR ([FedPVR], Fig. 3 and App. C.1) compares methods by the coverage of
 conformal prediction sets against their mean size. Split conformal with the
 threshold score (Angelopoulos & Bates, "A gentle introduction to conformal
 prediction", Sec. 1):

@@ -167,9 +167,9 @@ def _remote_worker_context(address: str):
   """An async context on an already-running TFF worker at `address`."""
   import grpc  # pylint: disable=g-import-not-at-top
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.python.core.backends.native import compiler  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
+  from pipeline import tff_compiler  # pylint: disable=g-import-not-at-top
   # The channel options of TFF's own local factory (2 GB messages), which
   # TFF 0.87 keeps private; its remote-context helpers were removed.
   channel = grpc.insecure_channel(
@@ -186,7 +186,25 @@ def _remote_worker_context(address: str):
 
   return tff.framework.AsyncExecutionContext(
       executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
-      compiler_fn=compiler.desugar_and_transform_to_native,
+      compiler_fn=tff_compiler.compile_for_native_runtime,
+      transform_args=tensorflow_computation.transform_args,
+      transform_result=tensorflow_computation.transform_result)
+
+
+def _local_worker_context(max_concurrent_computation_calls: int,
+                          asynchronous: bool):
+  """TFF's local C++ context (it starts its own `worker_binary`), compiling
+  with `tff_compiler` instead of TFF's `desugar_and_transform_to_native`."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
+  from pipeline import tff_compiler  # pylint: disable=g-import-not-at-top
+  context_class = (tff.framework.AsyncExecutionContext if asynchronous else
+                   tff.framework.SyncExecutionContext)
+  return context_class(
+      executor_fn=executor_factory.local_cpp_executor_factory(
+          max_concurrent_computation_calls=max_concurrent_computation_calls),
+      compiler_fn=tff_compiler.compile_for_native_runtime,
       transform_args=tensorflow_computation.transform_args,
       transform_result=tensorflow_computation.transform_result)
 
@@ -258,8 +276,10 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
                         num_workers: int = 1,
                         worker_addresses: tuple[str, ...] = (),
                         num_subrounds: int = 0) -> None:
-  """Sets the TFF execution context (SPEC 4.6).
+  """Sets the TFF execution context.
 
+  Every context compiles with `tff_compiler.compile_for_native_runtime`
+  (TFF's own compiler, with its graph-optimizer errors avoided).
   Default (one worker, no addresses, no sub-rounds): TFF's local C++
   execution context. `num_workers` > 1 starts that many local C++ workers;
   `worker_addresses` uses already-running workers (`worker_binary --port=N`
@@ -296,14 +316,13 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
     contexts = [_remote_worker_context(a) for a in worker_addresses]
   elif mergeable:
     # Each local context starts (and owns) its own worker_binary child.
-    contexts = [
-        tff.backends.native.create_async_local_cpp_execution_context(
-            max_concurrent_computation_calls=max_concurrent_computation_calls)
-        for _ in range(num_workers)]
+    contexts = [_local_worker_context(max_concurrent_computation_calls,
+                                      asynchronous=True)
+                for _ in range(num_workers)]
   if mergeable:
     tff.backends.native.set_mergeable_comp_execution_context(
         contexts, num_subrounds=num_subrounds or None)
   else:
-    tff.backends.native.set_sync_local_cpp_execution_context(
-        max_concurrent_computation_calls=max_concurrent_computation_calls)
+    tff.framework.set_default_context(_local_worker_context(
+        max_concurrent_computation_calls, asynchronous=False))
   gc.collect()  # The replaced context's (unstarted) service manager.

@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 exec .venv/bin/python -m binaries.train --task=celeba_smile \
   --celeba_mode=federated --algorithm=fedavg --use_synthetic_data \
-  --total_rounds=5 --clients_per_round=5 --client_steps=2 \
+  --total_rounds=10 --clients_per_round=10 --client_steps=4 \
+  --client_learning_rate=0.003 \
   --experiment_name=demo --root_output_dir=runs "$@"

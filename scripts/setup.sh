@@ -20,6 +20,8 @@ fi
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps -r requirements/lock.txt 2> >(grep -v "is ignored: it is neither" >&2)
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . 2> >(grep -v "is ignored: it is neither" >&2)
 "$VENV/bin/python" - <<'PY'
+from pipeline import tf_logs
+tf_logs.quiet_tensorflow_import()  # TensorFlow's C++ import noise
 import numpy, sklearn, tensorflow as tf, tensorflow_datasets as tfds
 from tensorflow_datasets.testing import mock_data  # noqa: F401
 import tensorflow_federated as tff

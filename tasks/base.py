@@ -3,7 +3,7 @@
 A task owns its data (train clients by id, optional central data, evaluation
 sets), its Keras model, loss and metrics, and its serving signature. Client and
 server datasets are TFF computations so they are built inside the TFF runtime
-(clients by id, SPEC 4.4); their shuffle seeds come from the driver so a
+(clients by id); their shuffle seeds come from the driver so a
 resumed run sees exactly the batches of an uninterrupted one.
 """
 
@@ -21,7 +21,7 @@ from tasks import residual
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Batching of client and central data (flags of SPEC 7)."""
+  """Batching of client and central data (from the binaries' flags)."""
   client_batch_size: int = 5
   # K local steps; None means `client_epochs` passes over the client's data.
   client_steps: Optional[int] = None
@@ -173,7 +173,7 @@ def without_pipeline_rewrites() -> tf.data.Options:
 
 CLIENT_DATASET_ARGS = tff.StructType([('id', np.str_), ('seed', np.int64)])
 # The computations below keep the TF function they wrap under this attribute,
-# so the native runtime (SPEC 4.7) builds the same datasets without TFF.
+# so the native runtime (`--runtime=native`) builds the same datasets without TFF.
 _DATASET_FN_ATTRIBUTE = 'python_dataset_fn'
 
 

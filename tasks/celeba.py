@@ -1,7 +1,7 @@
-"""celeba_smile: smile classification on TFF's federated CelebA (SPEC 6.1).
+"""celeba_smile: smile classification on TFF's federated CelebA ([MixedFL] Sec. 5.1).
 
 Modes (`--celeba_mode`):
-  mixed (default): Mixed FL split of papers/002 Sec. 5.1. Federated data are
+  mixed (default): Mixed FL split of [MixedFL] Sec. 5.1. Federated data are
     the smiling images of the train clients, three raw clients grouped into one
     composite client; central (server) data are the non-smiling images of the
     same train clients; evaluation on every image of the test clients.

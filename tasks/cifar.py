@@ -1,6 +1,6 @@
-"""cifar10 / cifar100: TFDS CIFAR with a Dirichlet label partition (SPEC 6.5).
+"""cifar10 / cifar100: TFDS CIFAR with a Dirichlet label partition ([FedPVR] Sec. 4).
 
-The FedPVR setup (papers/003, Sec. 4): the 50k training images are dealt to N
+The FedPVR setup ([FedPVR], Sec. 4): the 50k training images are dealt to N
 clients (`--num_clients`, default 10) by FedDF's Dirichlet(alpha) procedure
 (`--dirichlet_alpha`, tasks.dirichlet); all clients take part in every round
 by default; the server model is evaluated on the 10k test images. Client

@@ -1,4 +1,4 @@
-"""VGG-11 and ResNet-8 for 32x32 images, as FedPVR (papers/003) uses them.
+"""VGG-11 and ResNet-8 for 32x32 images, as FedPVR ([FedPVR]) uses them.
 
 Both follow the FedDF code the paper takes its models from (digest 3.3):
 - VGG-11 (config "A", no normalization): eight conv3x3+ReLU layers

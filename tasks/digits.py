@@ -1,5 +1,5 @@
 """digits: scikit-learn's bundled 8x8 handwritten digits, split into clients
-with SCAFFOLD's s% similarity partition (SPEC 6.4, papers/004 Sec. 7).
+with SCAFFOLD's s% similarity partition ([SCAFFOLD] Sec. 7).
 
 Data: `sklearn.datasets.load_digits` (1797 images of 8x8 pixels in 0..16, 10
 classes; shipped inside scikit-learn, so it is real data available offline). A

@@ -1,6 +1,6 @@
 """Dirichlet(alpha) label partition of a pooled dataset (FedDF, Lin et al. 2020).
 
-The procedure FedPVR (papers/003) takes from the FedDF code: shuffle the
+The procedure FedPVR ([FedPVR]) takes from the FedDF code: shuffle the
 examples once; for every class draw client proportions ~ Dir(alpha * 1_N),
 zero the share of any client that already holds at least n/N examples,
 renormalize and deal the class's examples by the cumulative proportions;

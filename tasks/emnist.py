@@ -1,6 +1,6 @@
-"""emnist: TFF's federated EMNIST re-partitioned with s% similarity (SPEC 6.4).
+"""emnist: TFF's federated EMNIST re-partitioned with s% similarity ([SCAFFOLD] Sec. 7).
 
-SCAFFOLD (papers/004, Sec. 7) pools the training examples of all writers and
+SCAFFOLD ([SCAFFOLD], Sec. 7) pools the training examples of all writers and
 deals them to N clients (`--num_clients`, default 100): s% of the data
 (`--similarity`) i.i.d., the rest sorted by label in contiguous shards
 (`tasks.partition.similarity_partition`). The paper does not name the EMNIST

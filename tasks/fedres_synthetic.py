@@ -1,4 +1,4 @@
-"""Synthetic FedRes problems of papers/000 Appendix E (SPEC 6.6).
+"""Synthetic FedRes problems of [FedRes] App. E.
 
 fedres_toy (E.1): two clients, scalar w and theta, deterministic losses
     L_1(w, theta_1) = 0.1 (w + theta_1)^2 + 10 w
@@ -101,7 +101,7 @@ def build_toy_task(config: base.DataConfig) -> base.Task:
 def logistic_data(heterogeneity: float, seed: int,
                   num_clients: int = LOGISTIC_NUM_CLIENTS,
                   num_examples: int = TRAIN_EXAMPLES + TEST_EXAMPLES):
-  """(x [N, n, d], labels [N, n]) of papers/000 eq. 13."""
+  """(x [N, n, d], labels [N, n]) of [FedRes] eq. 13."""
   rng = np.random.default_rng([seed, 13])
   w_star = rng.normal(size=(LOGISTIC_NUM_CLASSES, LOGISTIC_DIM))
   theta_star = rng.normal(

@@ -1,6 +1,6 @@
-"""movielens: next-movie prediction with a dual encoder (SPEC 6.3).
+"""movielens: next-movie prediction with a dual encoder ([MixedFL] Sec. 5.3).
 
-papers/002 Sec. 5.3, Appendix C.2.3 and C.3 (the model follows Ning et al.
+[MixedFL] Sec. 5.3, App. C.2.3 and C.3 (the model follows Ning et al.
 2021, which the paper cites):
 - Each MovieLens user is a client. A user's ratings in time order (ties broken
   by movie id) m_1..m_T give T-1 examples: context = the bag of the (at most
@@ -27,14 +27,14 @@ papers/002 Sec. 5.3, Appendix C.2.3 and C.3 (the model follows Ning et al.
   (`eval_val/recall_at_10`).
 
 The server data (examples of the 20% server users, shuffled) are exposed as
-`server_dataset_computation` as SPEC 6.3 asks; the paper's mixed FL here uses
+`server_dataset_computation` (the task's central data); the paper's mixed FL here uses
 only the data-free spreadout loss at the server (Table 2: no centralized
 data), so the mixed algorithms do not read them.
 
 Per-round client costs (`client_cost_fn`, see `tff_algos.communication`):
 analytic, from the batches each sampled client trains on. With
 d = embedding dim, b = a batch's size, c = its non-padding context ids,
-N = number of movies, per client step (the counting of papers/002 App. C.3):
+N = number of movies, per client step (the counting of [MixedFL] App. C.3):
   c*d (bag of movies) + 3*b*d^2 (dense layer, forward + backward)
   + 3*b^2*d (similarities, forward + backward) + 2*b (hinge)
   [+ N^2*d/2 + N*d (spreadout and its gradient) with spreadout on clients]
@@ -238,7 +238,7 @@ def embedding_initializer(embedding_dim: int) -> tf.keras.initializers.Initializ
   Both losses and the scores see the rows only through their directions
   (cosine, l2-normalized spreadout), so a row's norm |r| only sets how far a
   step turns it: the gradient is tangential and scales as 1/|r|, its
-  curvature (the smoothness beta of papers/002 App. D) as 1/|r|^2. With
+  curvature (the smoothness beta of [MixedFL] App. D) as 1/|r|^2. With
   Keras' default uniform(+-0.05) init (|r| ~ 0.12) one step of the paper's
   eta turns rows by far more than a radian, and 1-w GT, whose clients apply
   the spreadout gradient of x for all K steps (a stale step K * eta * w_c =
@@ -274,7 +274,7 @@ def tower_floats(embedding_dim: int) -> int:
 
 def client_step_flops(batch_size, context_ids, embedding_dim: int,
                       num_movies: int, spreadout_on_clients: bool):
-  """FLOPs of one client step (papers/002 App. C.3; see module docstring)."""
+  """FLOPs of one client step ([MixedFL] App. C.3; see module docstring)."""
   d = float(embedding_dim)
   flops = (context_ids * d + 3 * batch_size * d * d +
            3 * batch_size * batch_size * d + 2 * batch_size)

@@ -1,4 +1,4 @@
-"""movielens_ratings: per-user rating prediction with FedRes (SPEC 6.7).
+"""movielens_ratings: per-user rating prediction with FedRes.
 
 Each MovieLens user is a client predicting its own ratings. The global model
 sees the movie (an id embedding and the genre vector); each user's local

@@ -1,6 +1,6 @@
 """Splitting a centralized labelled dataset into federated clients.
 
-`similarity_partition` is SCAFFOLD's "s% similarity" split (SPEC 6.4, papers/004
+`similarity_partition` is SCAFFOLD's "s% similarity" split ([SCAFFOLD]
 Sec. 7.1, after Hsu et al. 2019): every client gets the same number of
 examples, an s% share of them drawn i.i.d. from the whole dataset and the rest
 a contiguous shard of the remaining examples sorted by label. s = 0 gives each

@@ -1,4 +1,4 @@
-"""Residual models of Federated Residual Learning (SPEC 5.5, papers/000 Sec. 2).
+"""Residual models of Federated Residual Learning ([FedRes] Sec. 2).
 
 A prediction is f_w(x_g) + f_theta(x_l): a global model shared by all clients
 on the global features x_g, plus the client's own local model on the local

@@ -1,6 +1,6 @@
-"""stackoverflow_char: next-character prediction, Mixed FL (SPEC 6.2).
+"""stackoverflow_char: next-character prediction, Mixed FL ([MixedFL] Sec. 5.2).
 
-papers/002 Sec. 5.2 / Appendix C.2.2: federated data are TFF's StackOverflow
+[MixedFL] Sec. 5.2 / App. C.2.2: federated data are TFF's StackOverflow
 train clients (the `tokens` field: lowercased, space-separated tokens of a
 question or answer); central (server) data are Wikipedia articles from TFDS
 `wikipedia/20201201.en`. Both are cut the same way into 100-character

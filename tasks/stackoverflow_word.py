@@ -1,4 +1,4 @@
-"""stackoverflow_word: next-word prediction on TFF StackOverflow (SPEC 6.2).
+"""stackoverflow_word: next-word prediction on TFF StackOverflow.
 
 A plain federated task built on TFF's baseline
 `tff.simulation.baselines.stackoverflow` (word prediction): its vocabulary

@@ -5,7 +5,11 @@ import warnings
 
 import pytest
 
-from pipeline import tff_runtime
+from pipeline import tf_logs
+
+tf_logs.quiet_tensorflow_import()  # Before anything imports TensorFlow.
+
+from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 # The slowest test takes under a minute; a hung one (e.g. waiting on a TFF

@@ -2,7 +2,7 @@
 
 Model: yhat = [x0, x1, 1] . p + [x1, x2] . theta (global part with bias on
 features 0-1, local part on the overlapping features 1-2), squared loss.
-The numpy reference re-derives every algorithm from papers/000 on its own;
+The numpy reference re-derives every algorithm from [FedRes] on its own;
 it shares no code with the implementation.
 """
 

@@ -191,8 +191,9 @@ def reference_run(mask, option, weighting, rounds=ROUNDS,
     p = np.array(client_weights) / np.sum(client_weights)
     x = [x[j] + SERVER_LR * sum(pi * u[j] for pi, u in zip(p, updates))
          for j in range(2)]
+    # c += (|S|/N) * the uniform mean of (c_i+ - c_i), whatever weights x.
     c = [c[m] + CLIENTS_PER_ROUND / NUM_CLIENTS *
-         sum(pi * u[m] for pi, u in zip(p, cv_updates))
+         np.mean([u[m] for u in cv_updates], axis=0)
          for m in range(len(masked))]
     client_cvs.update(new_cvs)
     train_losses.append(loss_sum / examples)
@@ -223,15 +224,17 @@ def _read_columns(run_dir):
 
 
 def make_runner(task: base.Task, root: str):
-  """`run(name, algorithm_name, wrap=None, **config)` -> Run, memoized by name.
+  """`run(name, algorithm_name, wrap=None, rounds=ROUNDS, runtime='tff',
+  **config)` -> Run, memoized by name.
 
   Each run builds its algorithm from `AlgorithmConfig(**config)` (on top of
   this module's learning rates and population), optionally wraps it, and
-  trains ROUNDS rounds with the sqlite client-state store.
+  trains `rounds` rounds on `runtime` with the sqlite client-state store.
   """
   runs = {}
 
-  def run(name, algorithm_name, wrap=None, **overrides) -> Run:
+  def run(name, algorithm_name, wrap=None, rounds=ROUNDS, runtime='tff',
+          **overrides) -> Run:
     if name in runs:
       return runs[name]
     config = AlgorithmConfig(**{
@@ -245,9 +248,9 @@ def make_runner(task: base.Task, root: str):
       algorithm = wrap(algorithm)
     run_config = driver.RunConfig(
         root_output_dir=root, experiment_name=name,
-        total_rounds=ROUNDS, clients_per_round=CLIENTS_PER_ROUND,
-        rounds_per_eval=ROUNDS, rounds_per_checkpoint=ROUNDS, seed=SEED,
-        client_state_store='sqlite', export=False)
+        total_rounds=rounds, clients_per_round=CLIENTS_PER_ROUND,
+        rounds_per_eval=rounds, rounds_per_checkpoint=rounds, seed=SEED,
+        client_state_store='sqlite', export=False, runtime=runtime)
     result = driver.train(algorithm, task, run_config)
     client_cvs = {}
     if algorithm.has_client_state:

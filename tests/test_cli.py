@@ -211,7 +211,7 @@ def test_no_worker_survives_an_exception(tmp_path):
 
 
 def test_native_runtime_run_matches_tff_run(runs):
-  # The same command on --runtime=native: the same rounds (SPEC 4.7), and
+  # The same command on --runtime=native: the same rounds, and
   # evaluate rebuilds the run (runtime from hparams.json) from a checkpoint.
   root, after_three = runs
   native = run_binary('binaries.train', *TRAIN_FLAGS, '--total_rounds=3',

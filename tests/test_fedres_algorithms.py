@@ -1,4 +1,4 @@
-"""FedRes TFF rounds against hand-derived numpy rounds (papers/000 Alg. 2-4).
+"""FedRes TFF rounds against hand-derived numpy rounds ([FedRes] Algs. 2-4).
 
 One round of each variant on a linear residual model with an overlapping
 global/local feature split, clients of different sizes (K_i = 2 and 3), non-zero
@@ -105,7 +105,7 @@ def test_one_round_matches_numpy_reference(algorithms, key):
     np.testing.assert_allclose(_flat(new_state['control']), expected['c'],
                                **TOLERANCE)
   else:
-    assert set(new_state) == {'global_model'}
+    assert set(new_state) == {'global_model_weights'}
   assert metrics['train']['num_examples'] == 10
   np.testing.assert_allclose(metrics['train']['loss'], expected['loss'],
                              **TOLERANCE)
@@ -133,8 +133,8 @@ def test_option2_with_zero_controls_is_option1(algorithms):
   state1, inputs1 = _start(algorithms['avg1'], False)
   new2, outputs2, _ = algorithms['avg2'].process.next(state2, inputs2)
   new1, outputs1, _ = algorithms['avg1'].process.next(state1, inputs1)
-  np.testing.assert_allclose(_flat(new2['global_model'].trainable),
-                             _flat(new1['global_model'].trainable),
+  np.testing.assert_allclose(_flat(new2['global_model_weights'].trainable),
+                             _flat(new1['global_model_weights'].trainable),
                              **TOLERANCE)
   for out1, out2 in zip(outputs1, outputs2):
     np.testing.assert_allclose(_flat(out2['state']['local_model']),
@@ -157,7 +157,7 @@ def test_client_without_data_keeps_its_state(algorithms):
                                 LAMBDA, alpha=ALPHA, c=C, c_is=C_IS,
                                 num_train_clients=3)
   np.testing.assert_allclose(
-      _flat(new_state['global_model'].trainable),
+      _flat(new_state['global_model_weights'].trainable),
       P0 + (expected['p'] - P0) / 2, **TOLERANCE)
   np.testing.assert_allclose(_flat(new_state['control']), expected['c'],
                              **TOLERANCE)

@@ -1,4 +1,4 @@
-"""Client drift on fedres_toy (papers/000 Appendix E.1), fast versions.
+"""Client drift on fedres_toy ([FedRes] App. E.1), fast versions.
 
 `experiments/fedres_toy.py` prints the full table (K up to 50, 300 rounds).
 Here, with the paper's eta = lambda = 0.01 and alpha = 1:
@@ -68,7 +68,7 @@ def average_loss(task):
   def loss(server_state, client_states):
     store = client_store.ClientStateStore(lambda: client_states[0])
     store.write(1, task.train_client_ids, client_states)
-    result = evaluator(server_state['global_model'].trainable, store,
+    result = evaluator(server_state['global_model_weights'].trainable, store,
                        lambda state: state['local_model'])
     store.close()
     return result['loss']
@@ -91,7 +91,7 @@ def _run(runner, task, k, rounds, server_state, client_states):
 
 def _random_start(runner, task):
   state = runner.initialize()
-  state['global_model'] = tff.learning.models.ModelWeights(
+  state['global_model_weights'] = tff.learning.models.ModelWeights(
       trainable=[np.asarray(w) for w in
                  driver.initial_model_weights(task, 0).trainable],
       non_trainable=[])
@@ -100,7 +100,7 @@ def _random_start(runner, task):
 
 def _optimum_start(runner):
   state = runner.initialize()
-  state['global_model'] = tff.learning.models.ModelWeights(
+  state['global_model_weights'] = tff.learning.models.ModelWeights(
       trainable=[np.array([[0.5]], np.float32)], non_trainable=[])
   clients = [runner.initial_client_state() for _ in range(2)]
   clients[0]['local_model'] = [np.array([[-0.5]], np.float32)]

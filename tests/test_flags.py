@@ -74,3 +74,24 @@ def test_declared_task_options_are_the_option_flags_the_task_reads(task):
       r"(?:options\.get\(|positive_option\(\s*options,)\s*'(\w+)'", source))
   assert read & set(flags_lib.TASK_OPTION_FLAGS) == set(
       task_registry.options(task))
+
+
+class _Population:
+  def __init__(self, num_train_clients, default_clients_per_round=None):
+    self.num_train_clients = num_train_clients
+    self.default_clients_per_round = default_clients_per_round
+
+
+@pytest.mark.parametrize('args,task,expected', [
+    # fedres_toy: 2 clients, fewer than the flag's default of 10: all of them.
+    ((), _Population(2), 2),
+    ((), _Population(50), 10),
+    ((), _Population(7, default_clients_per_round=5), 5),
+    # The command line wins (the driver rejects an impossible value).
+    (('--clients_per_round=3',), _Population(2), 3),
+])
+def test_clients_per_round_defaults_to_at_most_the_population(
+    parsed_flags, args, task, expected):
+  parsed_flags(*args)
+  flags_lib.apply_built_task_defaults(task)
+  assert flags.FLAGS.clients_per_round == expected

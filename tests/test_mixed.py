@@ -2,7 +2,7 @@
 cases, data-free central losses, communication accounting and resume.
 
 Expected values are computed here in float64 numpy from the algorithm
-statements of papers/002 (Algorithms 1-2, eq. 7, eq. 10), independently of
+statements of [MixedFL] (Algs. 1-2, eq. 7, eq. 10), independently of
 the TF code, on a linear model y = x.W + b with mean squared error.
 """
 
@@ -116,7 +116,7 @@ def reference_central(theta, central_batches, steps, lr, w_c, augmenting):
 def reference_round(name, theta, hp, gtilde_c=None, gtilde_f=None,
                     client_batches=CLIENT_BATCHES,
                     central_batches=CENTRAL_BATCHES):
-  """Next (theta, gtilde_c, gtilde_f) of SPEC 5.2 with plain SGD everywhere."""
+  """Next (theta, gtilde_c, gtilde_f) of [MixedFL] Alg. 1 with plain SGD everywhere."""
   zeros = np.zeros_like(theta)
   if name == 'mixed_1wgt':
     g_c = hp['w_c'] * mse_gradient(theta, central_batches[0])
@@ -142,7 +142,7 @@ def reference_round(name, theta, hp, gtilde_c=None, gtilde_f=None,
 # --- Algorithms under test, built once --------------------------------------------
 
 HP = dict(eta=0.1, eta_c=0.05, eta_s=0.7, eta_m=0.9, w_f=0.6, w_c=0.4, K=2)
-# 1-w GT and PT under the K=1 equivalence conditions of SPEC 5.2.
+# 1-w GT and PT under the K=1 equivalence conditions of [MixedFL] App. A.3.
 HP_EQUIVALENT = dict(eta=0.1, eta_c=0.1, eta_s=1.0, eta_m=1.0, w_f=0.6,
                      w_c=0.4, K=1)
 

@@ -105,3 +105,21 @@ def test_train_explains_that_pt_needs_k(tmp_path):
       'error: --algorithm=mixed_pt needs --client_steps (K): its central '
       'model takes K steps per round')
   assert not (tmp_path / 'no_k').exists()
+
+
+@pytest.mark.parametrize('flags,rejected', [
+    (['--client_optimizer=adam'], '--client_optimizer=adam'),
+    (['--client_optimizer=sgdm', '--central_optimizer=adam'],
+     '--client_optimizer=sgdm, --central_optimizer=adam')])
+def test_two_way_gt_rejects_optimizers_other_than_plain_sgd(tmp_path, flags,
+                                                            rejected):
+  result = _run('binaries.train', '--task=celeba_smile',
+                '--algorithm=mixed_2wgt', '--use_synthetic_data',
+                '--experiment_name=adam', f'--root_output_dir={tmp_path}',
+                *flags)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      'error: --algorithm=mixed_2wgt needs plain SGD as --client_optimizer '
+      'and --central_optimizer (its augmenting gradients are recovered from '
+      'the deltas of plain SGD steps; docs/mixed_fl.md); got ' + rejected]
+  assert not (tmp_path / 'adam').exists()

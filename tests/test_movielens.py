@@ -1,4 +1,4 @@
-"""movielens (SPEC 6.3): loaders on files in the real formats, examples,
+"""movielens ([MixedFL] Sec. 5.3): loaders on files in the real formats, examples,
 losses, analytic client costs, and end-to-end runs of every mixed algorithm
 and of the fedavg baseline."""
 

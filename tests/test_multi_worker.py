@@ -1,4 +1,4 @@
-"""Clients split over several TFF workers (SPEC 4.6) give the one-worker run.
+"""Clients split over several TFF workers give the one-worker run.
 
 SCAFFOLD on the 4-client linear task (2 clients a round, so each of 2 workers
 gets one): its new client states come back per client and are used in the

@@ -1,4 +1,4 @@
-"""The native runtime (SPEC 4.7) gives the TFF runtime's rounds.
+"""The native runtime (`--runtime=native`) gives the TFF runtime's rounds.
 
 Both runtimes run the same by-id rounds (same client ids, shuffle seeds and
 central seed) from the same state on a tiny task whose clients differ in size
@@ -209,18 +209,29 @@ def fedres_task():
       base.DataConfig(client_batch_size=2, client_steps=2))
 
 
+@pytest.fixture(scope='module')
+def histories(task, fedres_task):
+  """name -> (algorithm, TFF runtime's rounds, native runtime's rounds)."""
+  cache = {}
+
+  def history_of(name):
+    if name not in cache:
+      case_task, config = ((fedres_task, FEDRES_CONFIGS[name])
+                           if name in FEDRES_CONFIGS else (task, CONFIGS[name]))
+      # A case's algorithm: its name up to `_option_`.
+      algorithm = algorithm_registry.build_algorithm(
+          name.split('_option_')[0], case_task.model_fn, config,
+          task=case_task)
+      cache[name] = (algorithm, run_rounds(algorithm, case_task, 'tff'),
+                     run_rounds(algorithm, case_task, 'native'))
+    return cache[name]
+
+  return history_of
+
+
 @pytest.mark.parametrize('name', PARITY_CASES)
-def test_native_rounds_equal_tff_rounds(task, fedres_task, name):
-  if name in FEDRES_CONFIGS:
-    task = fedres_task
-    config = FEDRES_CONFIGS[name]
-  else:
-    config = CONFIGS[name]
-  # A case's algorithm: its name up to `_option_`.
-  algorithm = algorithm_registry.build_algorithm(
-      name.split('_option_')[0], task.model_fn, config, task=task)
-  tff_history = run_rounds(algorithm, task, 'tff')
-  native_history = run_rounds(algorithm, task, 'native')
+def test_native_rounds_equal_tff_rounds(histories, name):
+  algorithm, tff_history, native_history = histories(name)
   for (tff_state, tff_clients, tff_metrics), (
       native_state, native_clients, native_metrics) in zip(tff_history,
                                                            native_history):
@@ -233,6 +244,39 @@ def test_native_rounds_equal_tff_rounds(task, fedres_task, name):
   assert not np.allclose(
       algorithm.get_model_weights(first).trainable[0],
       algorithm.get_model_weights(last).trainable[0])
+
+
+def _state_field(state, name):
+  return state[name] if isinstance(state, dict) else getattr(state, name)
+
+
+def _state_fields(state):
+  return list(state) if isinstance(state, dict) else list(state._fields)
+
+
+@pytest.mark.parametrize('name', PARITY_CASES)
+def test_every_algorithm_has_one_metrics_and_state_vocabulary(histories,
+                                                              name):
+  algorithm, tff_history, native_history = histories(name)
+  for state, _, metrics in (tff_history[-1], native_history[-1]):
+    # The global model: one key, tff.learning's, in every server state.
+    assert 'global_model_weights' in _state_fields(state)
+    weights = _state_field(state, 'global_model_weights')
+    assert_structures_close(algorithm.get_model_weights(state), weights)
+    assert not {'model', 'model_weights', 'global_model'} & set(
+        _state_fields(state))
+    # Communication per client, in bytes, every round.
+    communication = metrics['communication']
+    down = int(communication['bytes_down_per_client'])
+    up = int(communication['bytes_up_per_client'])
+    model_bytes = sum(np.asarray(w).nbytes for w in weights.trainable)
+    assert down >= model_bytes and up >= model_bytes
+    if name.startswith('fedres_'):
+      # w (and c) down; w_i - w (and c_i+ - c_i), the float32 loss sum and
+      # the int64 example count up.
+      copies = 2 if 'control' in state else 1
+      assert down == copies * model_bytes
+      assert up == copies * model_bytes + 4 + 8
 
 
 # ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests of the s% similarity partition (SPEC 6.4)."""
+"""Tests of the s% similarity partition ([SCAFFOLD] Sec. 7)."""
 
 import numpy as np
 import pytest

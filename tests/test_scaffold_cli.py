@@ -1,4 +1,4 @@
-"""SCAFFOLD / FedPVR through the train binary on real digits (SPEC 7, 8).
+"""SCAFFOLD / FedPVR through the train binary on real digits.
 
 The binary's `main` runs in-process with real flags on the setting of the
 SCAFFOLD paper's experiments: digits with 0% similarity (label-sorted), 20 of
@@ -106,10 +106,16 @@ def test_scaffold_reaches_lower_train_loss_than_fedavg(fedavg_run,
   scaffold_loss = _column(scaffold_run, 'eval_train/loss')[-1]
   assert scaffold_loss <= SCAFFOLD_MARGIN * fedavg_loss, (
       scaffold_loss, fedavg_loss)
-  # SCAFFOLD's metrics: communication of x, c down and y - x, c_i+ - c_i up,
-  # 4 model copies per client (2d + 2v with v = d).
-  np.testing.assert_allclose(
-      _column(scaffold_run, 'communication/model_copies_per_client'), 4.0)
+  # Per client: x and c down (2d floats, v = d); y - x, c_i+ - c_i, the
+  # weight and the metric sums up: FedAvg's upload plus c_i+ - c_i.
+  model_bytes = 4 * sum(w.size for w in _exported(scaffold_run))
+  np.testing.assert_array_equal(
+      _column(scaffold_run, 'communication/bytes_down_per_client'),
+      2 * model_bytes)
+  np.testing.assert_array_equal(
+      _column(scaffold_run, 'communication/bytes_up_per_client'),
+      np.asarray(_column(fedavg_run, 'communication/bytes_up_per_client')) +
+      model_bytes)
 
 
 @pytest.fixture(scope='module')

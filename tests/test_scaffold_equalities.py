@@ -1,4 +1,4 @@
-"""SCAFFOLD / FedPVR special cases, equal to float rounding (SPEC 5.3, 5.4).
+"""SCAFFOLD / FedPVR special cases, equal to float rounding.
 
 On the linear task of scaffold_testlib (unequal clients, 2 of 4 sampled per
 round, eta_s = 0.5), through `pipeline.driver.train`, comparing the final
@@ -56,7 +56,7 @@ def with_control_variates_zeroed(algorithm):
   @tff.tensorflow.computation(state_type.member)
   def zero_server_cv(state):
     return collections.OrderedDict(
-        model=state['model'],
+        global_model_weights=state['global_model_weights'],
         control_variate=[tf.zeros_like(c) for c in state['control_variate']],
         optimizer_state=state['optimizer_state'])
 

@@ -1,4 +1,4 @@
-"""SCAFFOLD / FedPVR rounds against hand computation (SPEC 5.3, 5.4).
+"""SCAFFOLD / FedPVR rounds against hand computation ([SCAFFOLD] Alg. 1, [FedPVR] Alg. I).
 
 Two rounds on a linear-regression task with 2 of 4 clients sampled per round
 (|S| < N, so the |S|/N rule for c and the stored c_i of a client sampled twice
@@ -68,6 +68,34 @@ def test_fedpvr_partial_mask_matches_hand_computation(run):
     assert not np.allclose(reference.weights[0], other.weights[0], rtol=1e-4)
 
 
+# Both options' c_i and both runtimes: 2 of the 4 unequal clients a round
+# (K_i = 2, 3, 1, 3 steps of one epoch), clients weighted by examples.
+@pytest.mark.parametrize('algorithm,overrides', [
+    ('scaffold', {}),
+    ('scaffold', {'scaffold_option': 1}),
+    ('fedpvr', {'pvr_start_variable': 1})],
+                         ids=['scaffold_option2', 'scaffold_option1',
+                              'fedpvr_bias'])
+@pytest.mark.parametrize('runtime', ['tff', 'native'])
+def test_server_control_variate_is_the_mean_of_all_client_control_variates(
+    run, algorithm, overrides, runtime):
+  rounds = 5
+  name = f'invariant_{algorithm}_{runtime}_' + '_'.join(
+      f'{k}{v}' for k, v in overrides.items())
+  result = run(name, algorithm, rounds=rounds, runtime=runtime, **overrides)
+  # Every client sampled at least once, one of them more often.
+  sampled = [set(driver.plan_round(lib.SEED, r, lib.NUM_CLIENTS,
+                                   lib.CLIENTS_PER_ROUND).client_indices)
+             for r in range(1, rounds + 1)]
+  assert set().union(*sampled) == set(range(lib.NUM_CLIENTS))
+  server_cv = result.result.server_state['control_variate']
+  assert max(np.abs(c).max() for c in server_cv) > 0.05
+  for j, c in enumerate(server_cv):
+    mean_of_clients = np.mean(
+        [result.client_cvs[k][j] for k in range(lib.NUM_CLIENTS)], axis=0)
+    np.testing.assert_allclose(c, mean_of_clients, rtol=1e-5, atol=1e-6)
+
+
 def test_fedpvr_drift_diversity_and_communication_metrics(run):
   result = run('fedpvr_bias', 'fedpvr', pvr_start_variable=1,
                drift_diversity=True)
@@ -76,13 +104,15 @@ def test_fedpvr_drift_diversity_and_communication_metrics(run):
   # The linear model is one layer (kernel and bias).
   np.testing.assert_allclose(result.columns['drift_diversity/layer_0'],
                              reference.drift_diversity, rtol=1e-5)
-  # d = 3 model floats, v = 1 masked: each client receives x and c and sends
-  # y - x and c_i+ - c_i, (2d + 2v) / d = 8/3 model copies, 4 bytes each.
-  np.testing.assert_allclose(
-      result.columns['communication/model_copies_per_client'], 8 / 3)
-  np.testing.assert_allclose(
-      result.columns['communication/bytes_clients_to_server'],
-      lib.CLIENTS_PER_ROUND * 4 * 4)
+  # d = 3 model floats, v = 1 masked, 4 bytes each: each client receives x
+  # and c, and sends y - x, c_i+ - c_i, its weight and metric sums: FedAvg's
+  # upload plus c_i+ - c_i.
+  np.testing.assert_array_equal(
+      result.columns['communication/bytes_down_per_client'], 4 * (3 + 1))
+  fedavg = run('fedavg', 'fedavg')
+  np.testing.assert_array_equal(
+      result.columns['communication/bytes_up_per_client'],
+      np.asarray(fedavg.columns['communication/bytes_up_per_client']) + 4)
 
 
 # Masks and drift diversity (no TFF).

@@ -1,5 +1,7 @@
-"""FedAvg, FedProx and FedSGD from `tff.learning.algorithms`, unchanged,
-adapted to the common process contract (tff_algos.contract)."""
+"""FedAvg and FedSGD from `tff.learning.algorithms`, unchanged, and FedProx
+on tff.learning's FedAvg templates with the paper's proximal term
+(`tff_algos.fedprox`: TFF's own FedProx builder has the term's sign
+reversed), adapted to the common process contract (tff_algos.contract)."""
 
 import collections
 from typing import Callable, Optional
@@ -12,6 +14,7 @@ from pipeline.errors import UsageError
 from tff_algos import baselines_native
 from tff_algos import communication
 from tff_algos import contract
+from tff_algos import fedprox
 from tff_algos import optimizers
 from tff_algos.config import AlgorithmConfig
 from tff_algos.config import CLIENT_WEIGHTINGS
@@ -22,8 +25,8 @@ def communication_bytes(state_type: tff.Type,
   """(down, up) bytes per client of a tff.learning model-delta process.
 
   Down: the global model weights, plus the client work's state, which
-  tff.learning broadcasts (the client optimizer's hyperparameters for FedAvg;
-  empty for FedProx and FedSGD). Up: the model update (trainable weights),
+  tff.learning broadcasts (the client optimizer's hyperparameters for FedAvg
+  and FedProx; empty for FedSGD). Up: the model update (trainable weights),
   its float32 weight and the model's unfinalized metric sums.
   """
   weights_type = state_type.member.global_model_weights
@@ -131,7 +134,7 @@ def build_fedavg(model_fn: Callable, config: AlgorithmConfig):
 
 
 def build_fedprox(model_fn: Callable, config: AlgorithmConfig):
-  process = tff.learning.algorithms.build_weighted_fed_prox(
+  process = fedprox.build_weighted_fed_prox(
       model_fn, proximal_strength=config.proximal_strength,
       loop_implementation=baselines_native.LOOP,
       **_client_and_server_optimizers(config))

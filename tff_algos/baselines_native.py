@@ -1,12 +1,12 @@
-"""FedAvg, FedProx and FedSGD rounds in-process (the native runtime, SPEC 4.7).
+"""FedAvg, FedProx and FedSGD rounds in-process (the native runtime, `--runtime=native`).
 
-The client updates are tff.learning's own tf.functions, the ones its
-processes map over the clients:
+The client updates are the tf.functions the TFF processes map over the
+clients: tff.learning's
 `model_delta_client_work.build_model_delta_update_with_tff_optimizer`
-(FedAvg), `proximal_client_work.build_model_delta_update_with_tff_optimizer`
-(FedProx) and `fed_sgd._build_client_update` (FedSGD; private in TFF 0.87,
-hence the parity test). The server side of tff.learning has no TF function
-outside its TFF computations, so it is written here after TFF 0.87's
+(FedAvg) and `fed_sgd._build_client_update` (FedSGD; private in TFF 0.87,
+hence the parity test), and `fedprox.build_client_update` (FedProx). The
+server side of tff.learning has no TF function outside its TFF
+computations, so it is written here after TFF 0.87's
 components: `MeanFactory` (sum of weight * update over sum of weights),
 `build_apply_optimizer_finalizer` (ServerOpt step on the mean update used as
 the gradient, rejected when not finite) and `sum_then_finalize` for the
@@ -24,8 +24,8 @@ from tensorflow_federated.python.learning.algorithms import fed_sgd
 from tensorflow_federated.python.learning.templates import apply_optimizer_finalizer
 from tensorflow_federated.python.learning.templates import composers
 from tensorflow_federated.python.learning.templates import model_delta_client_work
-from tensorflow_federated.python.learning.templates import proximal_client_work
 
+from tff_algos import fedprox
 from tff_algos import native
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -60,11 +60,9 @@ class LearningProcessRounds:
               lambda: self._model, weighting=client_weighting,
               loop_implementation=LOOP))
     elif kind == 'fedprox':
-      self._client_update = (
-          proximal_client_work.build_model_delta_update_with_tff_optimizer(
-              lambda: self._model, weighting=client_weighting,
-              delta_l2_regularizer=proximal_strength,
-              loop_implementation=LOOP))
+      self._client_update = fedprox.build_client_update(
+          lambda: self._model, weighting=client_weighting,
+          proximal_strength=proximal_strength, loop_implementation=LOOP)
     else:
       self._client_update = fed_sgd._build_client_update(  # pylint: disable=protected-access
           self._model, loop_implementation=LOOP)
@@ -75,12 +73,12 @@ class LearningProcessRounds:
 
   def initialize(self):
     weights = ModelWeights.from_model(self._model)
-    # As the TFF process's state: FedAvg's client work keeps the client
-    # optimizer's hyperparameters, FedProx's and FedSGD's nothing; the
+    # As the TFF process's state: FedAvg's and FedProx's client work keep the
+    # client optimizer's hyperparameters, FedSGD's nothing; the
     # broadcast and the mean aggregator keep nothing; the finalizer keeps the
     # server optimizer's state.
     client_work = ()
-    if self._kind == 'fedavg':
+    if self._kind in ('fedavg', 'fedprox'):
       client_work = self._client_optimizer.get_hparams(
           self._client_optimizer.initialize(tf.TensorSpec([], tf.float32)))
     return native.to_numpy(composers.LearningAlgorithmState(
@@ -96,11 +94,9 @@ class LearningProcessRounds:
   def _client_result(self, server_state, dataset):
     self._model.reset_metrics()
     weights = server_state.global_model_weights
-    if self._kind == 'fedavg':
+    if self._kind in ('fedavg', 'fedprox'):
       return self._client_update(self._client_optimizer, weights, dataset,
                                  server_state.client_work)
-    if self._kind == 'fedprox':
-      return self._client_update(self._client_optimizer, weights, dataset)
     return self._client_update(weights, dataset)
 
   def next(self, server_state, datasets, client_states=None,

@@ -38,6 +38,13 @@ def type_bytes(value_type: tff.Type) -> int:
   raise ValueError(f'cannot size a value of type {value_type}')
 
 
+def value_bytes(structure) -> int:
+  """Bytes of a structure of arrays or tensors (dense, uncompressed): the
+  in-process counterpart of `type_bytes`."""
+  return sum(int(np.asarray(leaf).nbytes)
+             for leaf in tf.nest.flatten(structure))
+
+
 def metrics(bytes_down: int, bytes_up: int,
             augmenting_bytes_down: Optional[int] = None
             ) -> collections.OrderedDict:
@@ -91,7 +98,7 @@ def with_client_costs(metrics, costs):
   GT also the augmenting gradient down); the rest of a payload (metric sums,
   client weight, optimizer hyperparameters) is far smaller than a model.
   Each whole copy is then counted at the size the client needs: the rows its
-  data touches (papers/002 Table 5: 2*n*d for PT, 3*n*d for GT) or, if the
+  data touches ([MixedFL] Table 5: 2*n*d for PT, 3*n*d for GT) or, if the
   client loss needs the full table, all of it (2*N*d for the baseline). The
   augmenting gradient is counted apart, at `central_gradient_floats`: it is
   zero on the variables the central loss does not read (movielens: all but

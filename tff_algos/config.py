@@ -3,7 +3,7 @@
 import dataclasses
 from typing import Any, Callable, Optional
 
-# How server means weight clients: by examples processed (SPEC 5) or equally.
+# How server means weight clients: by examples processed or equally.
 CLIENT_WEIGHTINGS = ('num_examples', 'uniform')
 
 
@@ -36,7 +36,7 @@ class AlgorithmConfig:
   # When set, FedPVR masks trainable variables from this index on instead.
   pvr_start_variable: Optional[int] = None
   drift_diversity: bool = False
-  # Mixed FL (SPEC 5.2).
+  # Mixed FL ([MixedFL]).
   central_optimizer: str = 'sgd'
   central_learning_rate: float = 0.01
   merge_optimizer: str = 'sgd'

@@ -20,9 +20,9 @@ writing the global model.
 
 `compose_by_id` turns that into what the driver runs: clients are passed by
 id (plus a per-round shuffle seed and their stored state) and every dataset is
-built inside the TFF computation (SPEC 4.4), so no dataset is serialized from
+built inside the TFF computation, so no dataset is serialized from
 Python each round. `tff_algos.native.compose_by_id` gives the same interface
-for the in-process runtime (SPEC 4.7).
+for the in-process runtime (`--runtime=native`).
 """
 
 import collections

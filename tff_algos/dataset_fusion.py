@@ -16,11 +16,10 @@ same seeded graph, so the elements are the same; a dataset consumed twice
 (e.g. by the client update and by the cost metrics) is built twice, as the
 second pass over a dataset value rebuilt it before.
 
-TFF's static graph optimizer (its memory optimizer's recomputation
-heuristics with function inlining) fails on the fused graphs and logs one
-`function_optimizer failed: ... inputs from different frames` error per
-computation; TF then runs them without that pass, bit-identical
-(tests/test_dataset_fusion.py).
+The fused computations are marked to compile without the graph optimizer's
+recomputation heuristics, which break the function optimizer's pass on them
+(`pipeline.tff_compiler.without_recomputation`); the rounds are bit-identical
+to the unfused ones (tests/test_dataset_fusion.py).
 """
 
 from typing import Union
@@ -36,6 +35,8 @@ from tensorflow_federated.python.core.impl.compiler import tree_transformations
 from tensorflow_federated.python.core.impl.computation import computation_impl
 from tensorflow_federated.python.core.impl.context_stack import context_stack_impl
 from tensorflow_federated.python.core.impl.types import computation_types
+
+from pipeline import tff_compiler
 
 # Where datasets sit in a client value: a dataset computation (the value at
 # this position is its input), or, for a struct, {element index: subtree}.
@@ -86,7 +87,8 @@ def _fused_map(function: building_blocks.CompiledComputation,
       parameter_name, member_type,
       building_blocks.Call(function, _with_datasets_built(parameter, paths)))
   return building_block_factory.create_federated_map(
-      compiler.compile_local_computation_to_tensorflow(fused), argument)
+      tff_compiler.without_recomputation(
+          compiler.compile_local_computation_to_tensorflow(fused)), argument)
 
 
 def fuse_client_datasets(computation: tff.Computation) -> tff.Computation:

@@ -1,4 +1,4 @@
-"""Personalized evaluation of FedRes (SPEC 5.5): global model + own theta_i.
+"""Personalized evaluation of FedRes: global model + own theta_i.
 
 Each evaluated client predicts with f_w(x_g) + f_theta_i(x_l), theta_i read
 from the client store. A client the store has no state for (never sampled,

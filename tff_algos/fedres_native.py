@@ -1,4 +1,4 @@
-"""FedRes rounds run in-process, without TFF (SPEC 4.7's native path).
+"""FedRes rounds run in-process, without TFF (`--runtime=native`).
 
 Runs the same per-client function as the TFF process (`fedres_tf.client_round`,
 eagerly: its batch steps are compiled, its loops are Python) client by client,
@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tasks import base
+from tff_algos import communication
 from tff_algos import fedres_tf
 from tff_algos import fedres_tff
 from tff_algos.config import AlgorithmConfig
@@ -76,6 +77,10 @@ class InProcessRounds:
         hparams, server_state, mean_delta, control_delta_sum))
     num_examples = sum(int(o['num_examples']) for o in outputs)
     loss_sum = sum(float(o['loss_sum']) for o in outputs)
-    metrics = collections.OrderedDict(train=collections.OrderedDict(
-        loss=loss_sum / max(num_examples, 1), num_examples=num_examples))
+    metrics = collections.OrderedDict(
+        train=collections.OrderedDict(loss=loss_sum / max(num_examples, 1),
+                                      num_examples=num_examples),
+        communication=communication.metrics(
+            communication.value_bytes(message),
+            communication.value_bytes(fedres_tff.uploaded(outputs[0]))))
     return new_state, [_to_numpy(o['state']) for o in outputs], metrics

@@ -1,9 +1,9 @@
-"""FedResNaive, FedResSGD and FedResAvg as TFF processes (SPEC 5.5).
+"""FedResNaive, FedResSGD and FedResAvg as TFF processes ([FedRes] Algs. 2-4).
 
 The TF math is in `fedres_tf`; this module only places, broadcasts and
 aggregates around it, following the process contract (`contract`):
 
-  server state  <global_model=ModelWeights w[, control=c]>        @SERVER
+  server state  <global_model_weights=ModelWeights w[, control=c]> @SERVER
   client state  <local_model=theta_i[, control=c_i]>              @CLIENTS
   next          (state, <data, state>@CLIENTS)
                 -> <state, <state=new client state>@CLIENTS, <train=...>>
@@ -16,6 +16,12 @@ they update theta_i. Clients upload w_i - w (and c_i+ - c_i for Option II);
 the server applies w <- w + alpha mean_S(w_i - w) (alpha = 1 for Naive and
 SGD; clients are weighted uniformly, as in the paper's objective
 (1/N) sum_i L_i) and c <- c + sum_S(c_i+ - c_i) / N, SCAFFOLD's |S|/N rule.
+
+Metrics: `train/loss`, `train/num_examples` and, as every algorithm,
+`communication/bytes_down_per_client` (w, and c for Option II) and
+`communication/bytes_up_per_client` (w_i - w, c_i+ - c_i for Option II, and
+the client's loss and example sums): what `server_message` broadcasts and a
+client's round result holds besides its own state (`uploaded`).
 """
 
 import collections
@@ -27,6 +33,7 @@ import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
 from tasks import base
+from tff_algos import communication
 from tff_algos import contract
 from tff_algos import fedres_eval
 from tff_algos import fedres_export
@@ -46,17 +53,17 @@ RESIDUAL_TASKS_HINT = 'fedres_toy, fedres_logistic, movielens_ratings'
 
 
 def build_fedres_naive(task: base.Task, config: AlgorithmConfig):
-  """FedResNaive (papers/000 Algorithm 2)."""
+  """FedResNaive ([FedRes] Alg. 2)."""
   return _build('naive', task, config)
 
 
 def build_fedres_sgd(task: base.Task, config: AlgorithmConfig):
-  """FedResSGD (papers/000 Algorithm 3)."""
+  """FedResSGD ([FedRes] Alg. 3)."""
   return _build('sgd', task, config)
 
 
 def build_fedres_avg(task: base.Task, config: AlgorithmConfig):
-  """FedResAvg, Option I or II (papers/000 Algorithm 4)."""
+  """FedResAvg, Option I or II ([FedRes] Alg. 4)."""
   return _build('avg', task, config)
 
 
@@ -110,7 +117,7 @@ def initial_weights(spec) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def initial_server_state(hparams: fedres_tf.Hyperparameters, global_weights):
-  state = collections.OrderedDict(global_model=ModelWeights(
+  state = collections.OrderedDict(global_model_weights=ModelWeights(
       trainable=list(global_weights), non_trainable=[]))
   if hparams.uses_control:
     state['control'] = [tf.zeros_like(w) for w in global_weights]
@@ -120,17 +127,23 @@ def initial_server_state(hparams: fedres_tf.Hyperparameters, global_weights):
 def server_message(hparams: fedres_tf.Hyperparameters, state):
   """What the server broadcasts: w (and c)."""
   message = collections.OrderedDict(
-      global_weights=state['global_model'].trainable)
+      global_weights=state['global_model_weights'].trainable)
   if hparams.uses_control:
     message['control'] = state['control']
   return message
 
 
+def uploaded(client_result):
+  """The part of `fedres_tf.client_round`'s result a client sends."""
+  return collections.OrderedDict(
+      (key, value) for key, value in client_result.items() if key != 'state')
+
+
 def server_update(hparams: fedres_tf.Hyperparameters, state, mean_delta,
                   control_delta_sum=None):
-  new_state = collections.OrderedDict(global_model=ModelWeights(
+  new_state = collections.OrderedDict(global_model_weights=ModelWeights(
       trainable=fedres_tf.server_weights_update(
-          state['global_model'].trainable, mean_delta, hparams.server_step),
+          state['global_model_weights'].trainable, mean_delta, hparams.server_step),
       non_trainable=[]))
   if hparams.uses_control:
     new_state['control'] = fedres_tf.server_control_update(
@@ -157,7 +170,7 @@ def _build(variant: str, task: base.Task,
   server_state_type = initial_state_computation.type_signature.result
   client_state_type = _tensor_type(client_state_fn())
   data_type = task.client_dataset_computation.type_signature.result
-  weights_type = server_state_type.global_model.trainable
+  weights_type = server_state_type.global_model_weights.trainable
 
   @tff.tensorflow.computation(server_state_type)
   def message_computation(state):
@@ -169,9 +182,14 @@ def _build(variant: str, task: base.Task,
     result = fedres_tf.client_round(
         fedres_tf.ResidualModel(spec), hparams, dataset, client_state,
         message['global_weights'], message.get('control'))
-    result['client_output'] = collections.OrderedDict(
-        state=result.pop('state'))
-    return result
+    return collections.OrderedDict(
+        upload=uploaded(result),
+        client_output=collections.OrderedDict(state=result['state']))
+
+  bytes_down = communication.type_bytes(
+      message_computation.type_signature.result)
+  bytes_up = communication.type_bytes(
+      client_computation.type_signature.result.upload)
 
   if hparams.uses_control:
 
@@ -205,26 +223,30 @@ def _build(variant: str, task: base.Task,
         tff.federated_map(message_computation, server_state))
     outputs = tff.federated_map(
         client_computation, (client_inputs.data, client_inputs.state, message))
-    mean_delta = tff.federated_mean(outputs.weights_delta)
+    upload = outputs.upload
+    mean_delta = tff.federated_mean(upload.weights_delta)
     if hparams.uses_control:
       new_state = tff.federated_map(
           server_computation, (server_state, mean_delta,
-                               tff.federated_sum(outputs.control_delta)))
+                               tff.federated_sum(upload.control_delta)))
     else:
       new_state = tff.federated_map(server_computation,
                                     (server_state, mean_delta))
     metrics = tff.federated_map(
-        train_metrics, (tff.federated_sum(outputs.loss_sum),
-                        tff.federated_sum(outputs.num_examples)))
+        train_metrics, (tff.federated_sum(upload.loss_sum),
+                        tff.federated_sum(upload.num_examples)))
     return (new_state, outputs.client_output,
-            tff.federated_zip(collections.OrderedDict(train=metrics)))
+            tff.federated_zip(collections.OrderedDict(
+                train=metrics,
+                communication=communication.metrics_at_server(
+                    bytes_down, bytes_up))))
 
   def get_model_weights(state) -> ModelWeights:
-    return state['global_model']
+    return state['global_model_weights']
 
   def set_model_weights(state, weights: ModelWeights):
     new_state = collections.OrderedDict(state)
-    new_state['global_model'] = ModelWeights(
+    new_state['global_model_weights'] = ModelWeights(
         trainable=list(weights.trainable),
         non_trainable=list(weights.non_trainable))
     return new_state
@@ -260,12 +282,12 @@ def _personalization(task: base.Task, config: AlgorithmConfig,
       evaluators.append(fedres_eval.PersonalizedEvaluator(
           task.residual_spec, task.personal_eval_data,
           config.local_learning_rate, config.fedres_fit_unseen))
-    return evaluators[0](server_state['global_model'].trainable, store,
+    return evaluators[0](server_state['global_model_weights'].trainable, store,
                          _local_weights_of)
 
   def export(server_state, store, export_dir):
     fedres_export.export_personal_models(
-        task, server_state['global_model'].trainable, store,
+        task, server_state['global_model_weights'].trainable, store,
         _local_weights_of, initial_local, export_dir)
 
   return contract.Personalization(evaluate=evaluate, export=export)

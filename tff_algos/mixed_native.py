@@ -1,4 +1,4 @@
-"""Mixed FL rounds in-process (the native runtime, SPEC 4.7).
+"""Mixed FL rounds in-process (the native runtime, `--runtime=native`).
 
 The same `mixed_tf` round pieces as `mixed_tff`'s process, in its order:
 central work at x, broadcast of x (and the augmenting gradient), client work,
@@ -55,11 +55,11 @@ class MixedRounds:
     settings = self._settings
     central = native.to_numpy(mixed_tf.central_work(
         settings, self._central_model, self._central_optimizer,
-        self._central_loss, server_state['model_weights'],
+        self._central_loss, server_state['global_model_weights'],
         server_state.get('gtilde_f'), server_data))
 
     payload = collections.OrderedDict(
-        model_weights=server_state['model_weights'])
+        model_weights=server_state['global_model_weights'])
     if settings.transfers_gradients:
       payload['augmenting_gradient'] = (
           central['gradient'] if not settings.keeps_augmenting_gradients

@@ -1,4 +1,4 @@
-"""TF math of mixed FL (papers/002 Algorithms 1-2 and Appendix A; SPEC 5.2).
+"""TF math of mixed FL ([MixedFL] Algs. 1-2 and App. A).
 
 Plain TensorFlow over a `tff.learning.models.VariableModel`, lists of weight
 tensors, `tff.learning.optimizers` and datasets; `mixed_tff` only places,
@@ -385,7 +385,7 @@ def server_update(settings: RoundSettings,
   `state` is the server state (see `mixed_tff`); the result has its keys in
   its order.
   """
-  x = list(state['model_weights'].trainable)
+  x = list(state['global_model_weights'].trainable)
   delta = mean_client_delta(list(client_delta_mean), client_weight_sum)
   new_state = collections.OrderedDict()
   optimizer_state, x_f = apply_delta(server_optimizer,
@@ -408,8 +408,8 @@ def server_update(settings: RoundSettings,
     new_state['gtilde_f'] = updated_gtilde_f(
         list(client_delta_sum), settings.client_learning_rate,
         client_steps_sum, gtilde_c, gtilde_f)
-  new_state['model_weights'] = ModelWeights(
-      new_x, list(state['model_weights'].non_trainable))
+  new_state['global_model_weights'] = ModelWeights(
+      new_x, list(state['global_model_weights'].non_trainable))
   return collections.OrderedDict((key, new_state[key]) for key in state)
 
 
@@ -418,15 +418,15 @@ def initial_server_state(settings: RoundSettings,
                          server_optimizer: tff.learning.optimizers.Optimizer,
                          merge_optimizer: Optional[
                              tff.learning.optimizers.Optimizer]):
-  """<model_weights=x, server_optimizer[, merge_optimizer][, gtilde_c,
+  """<global_model_weights=x, server_optimizer[, merge_optimizer][, gtilde_c,
   gtilde_f]> (augmenting gradients start at 0)."""
   weights = ModelWeights.from_model(model)
   weights = tf.nest.map_structure(lambda v: v.read_value(), weights)
   trainable_specs = tuple(tf.TensorSpec(w.shape, w.dtype)
                           for w in weights.trainable)
   state = collections.OrderedDict(
-      model_weights=ModelWeights(list(weights.trainable),
-                                 list(weights.non_trainable)),
+      global_model_weights=ModelWeights(list(weights.trainable),
+                                        list(weights.non_trainable)),
       server_optimizer=server_optimizer.initialize(trainable_specs))
   if settings.has_central_model:
     state['merge_optimizer'] = merge_optimizer.initialize(trainable_specs)

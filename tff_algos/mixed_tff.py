@@ -1,6 +1,6 @@
 """Mixed FL processes: Parallel Training, 1-way and 2-way Gradient Transfer.
 
-papers/002 Algorithms 1 and 2 (SPEC 5.2) as dataset-level processes of the
+[MixedFL] Algs. 1 and 2 as dataset-level processes of the
 common contract (tff_algos.contract). The math lives in `mixed_tf`; here TFF
 only places it: the central work runs at the server on the round's central
 batches (or on a data-free central loss), the server broadcasts the model
@@ -8,10 +8,10 @@ batches (or on a data-free central loss), the server broadcasts the model
 aggregates and updates.
 
 Server state (an OrderedDict, checkpointed by the driver):
-  model_weights       x
-  server_optimizer    ServerOpt state
-  merge_optimizer     MergeOpt state                     (PT, 2-w GT)
-  gtilde_c, gtilde_f  augmenting gradients, start at 0   (2-w GT)
+  global_model_weights  x
+  server_optimizer      ServerOpt state
+  merge_optimizer       MergeOpt state                     (PT, 2-w GT)
+  gtilde_c, gtilde_f    augmenting gradients, start at 0   (2-w GT)
 ClientOpt and CentralOpt start fresh every round: the central model is a
 "meta-client" that, like the clients, takes K steps from x. Non-trainable
 weights are not trained; the server keeps its own (as tff.learning's FedAvg).
@@ -54,9 +54,23 @@ FLAG_NAMES = {
     ONE_WAY_GT: _COMMON_FLAGS,
     TWO_WAY_GT: _COMMON_FLAGS + _CENTRAL_MODEL_FLAGS,
 }
+# Optimizer flags that must stay plain SGD (docs/mixed_fl.md): 2-w GT
+# recovers its augmenting gradients from the round's deltas, and the mean
+# gradient is -delta / (eta * steps) only for plain SGD steps ([MixedFL]
+# Algorithm 1's gtilde_c update, Appendix A.2 eqs. 8-10).
+PLAIN_SGD_FLAGS = {TWO_WAY_GT: ('client_optimizer', 'central_optimizer')}
 
 
 def _validate(name: str, config: AlgorithmConfig) -> None:
+  not_sgd = [f'--{flag}={getattr(config, flag)}'
+             for flag in PLAIN_SGD_FLAGS.get(name, ())
+             if getattr(config, flag) != 'sgd']
+  if not_sgd:
+    raise UsageError(
+        f'--algorithm={name} needs plain SGD as '
+        + ' and '.join(f'--{f}' for f in PLAIN_SGD_FLAGS[name])
+        + ' (its augmenting gradients are recovered from the deltas of plain '
+        f'SGD steps; docs/mixed_fl.md); got {", ".join(not_sgd)}')
   for flag in ('federated_weight', 'central_weight'):
     value = getattr(config, flag)
     if not value >= 0:
@@ -80,12 +94,12 @@ def _weights_to_numpy(weights: tff.learning.models.ModelWeights):
 
 
 def _get_model_weights(state) -> tff.learning.models.ModelWeights:
-  return state['model_weights']
+  return state['global_model_weights']
 
 
 def _set_model_weights(state, weights: tff.learning.models.ModelWeights):
   state = collections.OrderedDict(state)
-  state['model_weights'] = _weights_to_numpy(weights)
+  state['global_model_weights'] = _weights_to_numpy(weights)
   return state
 
 
@@ -226,7 +240,7 @@ def build_mixed(name: str, model_fn: Callable[[], tff.learning.models.VariableMo
   # --- One round ------------------------------------------------------------
 
   def _round(state, client_data, server_data):
-    weights = state.model_weights
+    weights = state.global_model_weights
     central_inputs = collections.OrderedDict(model_weights=weights)
     if keeps_augmenting_gradients:
       central_inputs['gtilde_f'] = state.gtilde_f

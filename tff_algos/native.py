@@ -1,4 +1,4 @@
-"""The native runtime (SPEC 4.7): rounds run in-process in TensorFlow.
+"""The native runtime (`--runtime=native`): rounds run in-process in TensorFlow.
 
 `--runtime=native` runs the same TF functions as the TFF processes (the client,
 server and central updates of the `*_tf` modules, and tff.learning's own client

@@ -36,10 +36,6 @@ _TASK_BUILDERS: dict[str, TaskBuilder] = {
     'fedres_avg': fedres_tff.build_fedres_avg,
 }
 NAMES = tuple(_BUILDERS) + tuple(_TASK_BUILDERS)
-# Every algorithm named by SPEC 7; those not in NAMES are not built yet.
-SPEC_NAMES = ('fedavg', 'fedprox', 'fedsgd', 'mixed_pt', 'mixed_1wgt',
-              'mixed_2wgt', 'scaffold', 'fedpvr', 'fedres_naive', 'fedres_sgd',
-              'fedres_avg')
 
 
 def build_algorithm(name: str, model_fn: Callable, config: AlgorithmConfig,

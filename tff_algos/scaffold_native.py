@@ -1,8 +1,9 @@
-"""SCAFFOLD / FedPVR rounds in-process (the native runtime, SPEC 4.7).
+"""SCAFFOLD / FedPVR rounds in-process (the native runtime, `--runtime=native`).
 
 The same `scaffold_tf` functions as `scaffold_tff`'s process, with its
-aggregation: x and c from the p_i-weighted means of the clients' deltas,
-|S| the number of clients, metrics summed then finalized.
+aggregation: x from the p_i-weighted mean of the clients' model deltas, c from
+the uniform mean of their control variate deltas, |S| the number of clients,
+metrics summed then finalized.
 """
 
 import collections
@@ -26,7 +27,7 @@ class ControlVariateRounds:
                config: AlgorithmConfig, mask: Sequence[bool],
                cv_specs: Sequence[tf.TensorSpec],
                layer_of_variable: Sequence[int], uniform_weighting: bool,
-               metric_finalizers, communication_bytes: tuple[int, int, int]):
+               metric_finalizers, communication_metrics):
     # One model for every client; its metrics are reset per client, as TFF
     # builds a fresh model for each.
     self._model = model_fn()
@@ -35,7 +36,7 @@ class ControlVariateRounds:
     self._drift_diversity = config.drift_diversity
     self._layer_of_variable = layer_of_variable
     self._metric_finalizers = metric_finalizers
-    self._communication_bytes = communication_bytes
+    self._communication_metrics = communication_metrics
     self._client_update = scaffold_tf.build_client_update(
         self._model, client_optimizer, config.client_learning_rate, mask,
         config.scaffold_option, uniform_weighting,
@@ -53,21 +54,20 @@ class ControlVariateRounds:
     for dataset, client_state in zip(datasets, client_states, strict=True):
       self._model.reset_metrics()
       outputs.append(native.to_numpy(self._client_update(
-          server_state['model'], server_state['control_variate'],
+          server_state['global_model_weights'],
+          server_state['control_variate'],
           client_state['control_variate'], dataset)))
     weights = [o['weight'] for o in outputs]
     num_clients = np.int32(len(outputs))
     new_state = native.to_numpy(self._server_update(
         server_state,
         native.weighted_mean([o['model_delta'] for o in outputs], weights),
-        native.weighted_mean([o['control_variate_delta'] for o in outputs],
-                             weights),
+        native.mean([o['control_variate_delta'] for o in outputs]),
         num_clients))
     metrics = collections.OrderedDict(
         train=native.sum_then_finalize(self._metric_finalizers,
                                        [o['metrics'] for o in outputs]),
-        communication=native.to_numpy(scaffold_tf.communication_metrics(
-            num_clients, *self._communication_bytes)))
+        communication=self._communication_metrics)
     if self._drift_diversity:
       metrics['drift_diversity'] = native.to_numpy(
           scaffold_tf.drift_diversity_metrics(

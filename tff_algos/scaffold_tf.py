@@ -1,4 +1,4 @@
-"""SCAFFOLD / FedPVR update logic in plain TensorFlow (SPEC 5.3, 5.4).
+"""SCAFFOLD / FedPVR update logic in plain TensorFlow ([SCAFFOLD] Alg. 1, [FedPVR] Alg. I).
 
 One implementation serves both algorithms: a mask over the model's trainable
 variables picks those that get control variates. Masked variables take
@@ -32,7 +32,7 @@ _REDUCE_LOOP = loop_builder.build_training_loop(
 
 ModelWeights = tff.learning.models.ModelWeights
 
-# Control-variate options of SCAFFOLD (papers/004 Alg. 1 line 12).
+# Control-variate options of SCAFFOLD ([SCAFFOLD] Alg. 1 line 12).
 OPTION_GRADIENT_AT_SERVER_MODEL = 1  # c_i+ = g_i(x), one extra pass.
 OPTION_FROM_LOCAL_STEPS = 2  # c_i+ = c_i - c + (x - y) / (K_i * eta).
 OPTIONS = (OPTION_GRADIENT_AT_SERVER_MODEL, OPTION_FROM_LOCAL_STEPS)
@@ -244,10 +244,10 @@ def build_client_update(model: tff.learning.models.VariableModel,
 def initial_server_state(model: tff.learning.models.VariableModel,
                          server_optimizer: tff.learning.optimizers.Optimizer,
                          cv_specs: Sequence[tf.TensorSpec]):
-  """<model=x (the model's weights), control_variate=c=0, optimizer_state>."""
+  """<global_model_weights=x, control_variate=c=0, optimizer_state>."""
   weights = ModelWeights.from_model(model)
   return collections.OrderedDict(
-      model=ModelWeights(
+      global_model_weights=ModelWeights(
           trainable=[tf.identity(v) for v in weights.trainable],
           non_trainable=[tf.identity(v) for v in weights.non_trainable]),
       control_variate=zeros_like_specs(cv_specs),
@@ -259,23 +259,25 @@ def build_server_update(server_optimizer: tff.learning.optimizers.Optimizer,
                         num_train_clients: int):
   """Returns `server_update(state, mean_delta, mean_cv_delta, num_clients)`.
 
-  x <- ServerOpt(x, -mean(y_i - x)), which with SGD at eta_s is
-  x + eta_s * mean(y_i - x); c <- c + (|S|/N) * mean(c_i+ - c_i), so c stays
-  the mean of every client's c_i (papers/004 eq. 21) when the mean is uniform.
+  x <- ServerOpt(x, -mean_p(y_i - x)), which with SGD at eta_s is
+  x + eta_s * mean_p(y_i - x); c <- c + (|S|/N) * mean(c_i+ - c_i) with the
+  uniform mean over the round's clients, so c stays the mean of every
+  client's c_i ([SCAFFOLD] eq. 21).
   """
   population = float(num_train_clients)
 
   @tf.function
   def server_update(state, mean_model_delta, mean_cv_delta, num_clients):
-    model = state['model']
+    weights = state['global_model_weights']
     negative_delta = tuple(-d for d in mean_model_delta)
     optimizer_state, trainable = server_optimizer.next(
-        state['optimizer_state'], tuple(model.trainable), negative_delta)
+        state['optimizer_state'], tuple(weights.trainable), negative_delta)
     participation = tf.cast(num_clients, tf.float32) / population
     control_variate = [c + participation * d for c, d in zip(
         state['control_variate'], mean_cv_delta)]
     return collections.OrderedDict(
-        model=ModelWeights(list(trainable), list(model.non_trainable)),
+        global_model_weights=ModelWeights(list(trainable),
+                                          list(weights.non_trainable)),
         control_variate=control_variate,
         optimizer_state=optimizer_state)
 
@@ -283,7 +285,7 @@ def build_server_update(server_optimizer: tff.learning.optimizers.Optimizer,
 
 
 # ----------------------------------------------------------------------------
-# Drift diversity (papers/003 Definition 1).
+# Drift diversity ([FedPVR] Def. 1).
 
 
 def layer_squared_norms(tensors: Sequence[tf.Tensor],
@@ -311,14 +313,3 @@ def drift_diversity_metrics(sum_of_sq_norms: tf.Tensor, sum_of_deltas,
   return collections.OrderedDict(
       (f'layer_{k}', xi[k]) for k in range(num_layers))
 
-
-def communication_metrics(num_clients: tf.Tensor, bytes_down: int,
-                          bytes_up: int,
-                          model_bytes: int) -> collections.OrderedDict:
-  """Bytes sent to and from the round's clients, and model copies each."""
-  clients = tf.cast(num_clients, tf.float64)
-  return collections.OrderedDict(
-      bytes_server_to_clients=clients * bytes_down,
-      bytes_clients_to_server=clients * bytes_up,
-      model_copies_per_client=tf.constant(
-          (bytes_down + bytes_up) / model_bytes, tf.float64))

@@ -1,19 +1,20 @@
-"""SCAFFOLD and FedPVR as TFF processes on the common contract (SPEC 5.3, 5.4).
+"""SCAFFOLD and FedPVR as TFF processes on the common contract ([SCAFFOLD], [FedPVR]).
 
 The TF math is in `scaffold_tf`; this module only places, broadcasts, maps
-and aggregates. Server state: the model x, the server control variate c (masked
-variables only) and the server optimizer's state; all three are checkpointed
-by the driver. Client state: c_i (masked variables only), kept in the driver's
-client-state store and created as zeros the first time a client is sampled.
+and aggregates. Server state: the model x (`global_model_weights`), the server
+control variate c (masked variables only) and the server optimizer's state;
+all three are checkpointed by the driver. Client state: c_i (masked variables
+only), kept in the driver's client-state store and created as zeros the first
+time a client is sampled.
 
-Aggregation: client weights p_i are the examples processed
-(`--client_weighting=num_examples`, SPEC 5) or 1 (`uniform`, the papers'
-setting). Both x and c use the same weighted mean:
+Aggregation: the model update weights client i by p_i, the examples it
+processed (`--client_weighting=num_examples`) or 1 (`uniform`, the papers'
+setting); the control variate update is always the uniform mean:
   x <- ServerOpt(x, -mean_p(y_i - x))       (SGD: x + eta_s * mean_p(y_i - x))
-  c <- c + (|S|/N) * mean_p(c_i+ - c_i)
-With uniform weights the c rule is papers/004's exactly and keeps c equal to
-the mean of all N clients' c_i. With example weights it equals it whenever the
-sampled clients process the same number of examples (fixed K and batch size).
+  c <- c + (|S|/N) * mean_{i in S}(c_i+ - c_i)
+The c rule is [SCAFFOLD] Alg. 1 line 17 (and eq. 21): it keeps c equal to
+(1/N) sum_i c_i over all N clients, stored or never sampled (c_i = 0), for
+any client sizes; an example-weighted mean would not (tests/test_scaffold_math.py).
 """
 
 import collections
@@ -24,6 +25,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from tff_algos import communication
 from tff_algos import contract
 from tff_algos import optimizers
 from tff_algos import scaffold_native
@@ -42,9 +44,10 @@ SCAFFOLD_FLAGS = _COMMON_FLAGS
 FEDPVR_FLAGS = _COMMON_FLAGS + ('client_optimizer', 'pvr_last_layers',
                                 'pvr_start_variable')
 
-
-def _nbytes(specs) -> int:
-  return sum(int(np.prod(s.shape)) * s.dtype.size for s in specs)
+# What a client sends of its `scaffold_tf.build_client_update` result (the
+# rest stays on the client, or is a simulation-only measurement: the drift
+# diversity's per-layer norms).
+UPLOADED = ('model_delta', 'control_variate_delta', 'weight', 'metrics')
 
 
 def build_control_variate_algorithm(
@@ -79,8 +82,6 @@ def build_control_variate_algorithm(
         probe.input_spec))
     trainable_specs = [tf.TensorSpec(v.shape, v.dtype)
                        for v in probe.trainable_variables]
-    non_trainable_specs = [tf.TensorSpec(v.shape, v.dtype)
-                           for v in probe.non_trainable_variables]
   mask = tuple(mask_fn(variable_names))
   layer_of_variable = scaffold_tf.variable_layers(variable_names)
   num_layers = (max(layer_of_variable) + 1) if layer_of_variable else 0
@@ -121,17 +122,13 @@ def build_control_variate_algorithm(
     del weight
     return tf.constant(1, tf.int32)
 
-  # Per client: x down (all weights) and c down; y - x up (trainable) and
-  # c_i+ - c_i up. With v masked numbers out of d: 2d + 2v in total.
-  bytes_down = _nbytes(trainable_specs + non_trainable_specs) + _nbytes(
-      cv_specs)
-  bytes_up = _nbytes(trainable_specs) + _nbytes(cv_specs)
-  model_bytes = _nbytes(trainable_specs)
-
-  @tff.tensorflow.computation(np.int32)
-  def communication(num_clients):
-    return scaffold_tf.communication_metrics(num_clients, bytes_down,
-                                             bytes_up, model_bytes)
+  # Per client: x (all weights) and c down; y - x, c_i+ - c_i, the weight and
+  # the metric sums up. With v masked numbers out of d: about 2d + 2v.
+  bytes_down = (communication.type_bytes(weights_type) +
+                communication.type_bytes(cv_type))
+  client_result_type = client_update.type_signature.result
+  bytes_up = sum(communication.type_bytes(client_result_type[name])
+                 for name in UPLOADED)
 
   @tff.tensorflow.computation(tff.TensorType(np.float32, [num_layers]),
                               weights_type.trainable)
@@ -149,19 +146,19 @@ def build_control_variate_algorithm(
                              client_inputs_type)
   def next_fn(server_state, client_inputs):
     outputs = tff.federated_map(client_update, (
-        tff.federated_broadcast(server_state.model),
+        tff.federated_broadcast(server_state.global_model_weights),
         tff.federated_broadcast(server_state.control_variate),
         client_inputs.state.control_variate, client_inputs.data))
     mean_model_delta = tff.federated_mean(outputs.model_delta, outputs.weight)
-    mean_cv_delta = tff.federated_mean(outputs.control_variate_delta,
-                                       outputs.weight)
+    # Uniform, whatever the model's weighting: c = (1/N) sum_i c_i.
+    mean_cv_delta = tff.federated_mean(outputs.control_variate_delta)
     num_clients = tff.federated_sum(tff.federated_map(one_client,
                                                       outputs.weight))
     new_state = tff.federated_map(server_update, (
         server_state, mean_model_delta, mean_cv_delta, num_clients))
     metrics = collections.OrderedDict(
         train=metrics_aggregation(outputs.metrics),
-        communication=tff.federated_map(communication, num_clients))
+        communication=communication.metrics_at_server(bytes_down, bytes_up))
     if config.drift_diversity:
       metrics['drift_diversity'] = tff.federated_map(drift_diversity, (
           tff.federated_sum(outputs.layer_sq_norms),
@@ -178,7 +175,7 @@ def build_control_variate_algorithm(
     return scaffold_native.ControlVariateRounds(
         model_fn, client_optimizer, server_optimizer, config, mask, cv_specs,
         layer_of_variable, uniform, metric_finalizers,
-        communication_bytes=(bytes_down, bytes_up, model_bytes))
+        communication_metrics=communication.metrics(bytes_down, bytes_up))
 
   return contract.FederatedAlgorithm(
       name=name,
@@ -191,12 +188,12 @@ def build_control_variate_algorithm(
 
 
 def get_model_weights(server_state) -> ModelWeights:
-  return server_state['model']
+  return server_state['global_model_weights']
 
 
 def set_model_weights(server_state, weights: ModelWeights):
   state = collections.OrderedDict(server_state)
-  state['model'] = ModelWeights(
+  state['global_model_weights'] = ModelWeights(
       trainable=[np.asarray(v) for v in weights.trainable],
       non_trainable=[np.asarray(v) for v in weights.non_trainable])
   return state
@@ -204,7 +201,7 @@ def set_model_weights(server_state, weights: ModelWeights):
 
 def build_scaffold(model_fn: Callable,
                    config: AlgorithmConfig) -> contract.FederatedAlgorithm:
-  """SCAFFOLD (papers/004 Alg. 1): control variates on every variable."""
+  """SCAFFOLD ([SCAFFOLD] Alg. 1): control variates on every variable."""
   return build_control_variate_algorithm(
       'scaffold', model_fn, config,
       lambda names: tuple(True for _ in names), SCAFFOLD_FLAGS)
@@ -212,7 +209,7 @@ def build_scaffold(model_fn: Callable,
 
 def build_fedpvr(model_fn: Callable,
                  config: AlgorithmConfig) -> contract.FederatedAlgorithm:
-  """FedPVR (papers/003 Alg. I): control variates on the last layers only."""
+  """FedPVR ([FedPVR] Alg. I): control variates on the last layers only."""
   start: Optional[int] = config.pvr_start_variable
   last_layers = None if start is not None else config.pvr_last_layers
   return build_control_variate_algorithm(
