@@ -35,7 +35,7 @@ def main(argv):
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} is not a .npy array: '
                      f'{e}') from e
   # Imported here so flag errors do not wait for TensorFlow.
-  from tff_algos import fedres_export  # pylint: disable=g-import-not-at-top
+  from tff_algos.algorithms.fedres import export as fedres_export  # pylint: disable=g-import-not-at-top
   predictions = fedres_export.serve_personalized(
       FLAGS.export_dir, FLAGS.client_id, inputs)
   print(json.dumps({name: value.tolist()

@@ -261,6 +261,29 @@ class ClientStateKeeper:
     return client_states.ClientStates(self.format, self.index)
 
 
+def committed_client_states(definition: round_lib.RoundDefinition,
+                            task: base.Task, run_dir: str,
+                            client_state_dir: Optional[str] = None,
+                            round_num: Optional[int] = None
+                            ) -> client_states.ClientStates:
+  """Read access to the client states of a run's checkpoint (default: the
+  latest), e.g. FedRes's personal models for evaluation or export."""
+  formats = state_format(definition, client_state_dir or os.path.join(
+      run_dir, CLIENT_STATE_DIR))
+  if formats is None:
+    raise ValueError(f'{definition.name} keeps no client state')
+  checkpoints = CheckpointManager(os.path.join(run_dir, 'checkpoints'), keep=0)
+  if round_num is None:
+    round_num = checkpoints.latest_round()
+    if round_num is None:
+      raise UsageError(f'{run_dir}/checkpoints has no checkpoint')
+  process = compose_process(definition, task, 'native', formats)
+  loaded = checkpoints.load(round_num, program_state_structure(
+      process, round_num, task.num_train_clients, True))
+  return client_states.ClientStates(formats, client_states.StateIndex(
+      task.train_client_ids, loaded['client_versions']))
+
+
 def write_hparams(run_dir: str, hparams: dict) -> None:
   path = os.path.join(run_dir, 'hparams.json')
   staging = path + '.staging'

@@ -169,7 +169,7 @@ def _remote_worker_context(address: str):
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
-  from pipeline import tff_compiler  # pylint: disable=g-import-not-at-top
+  from tff_algos.runtime import tff_compiler  # pylint: disable=g-import-not-at-top
   # The channel options of TFF's own local factory (2 GB messages), which
   # TFF 0.87 keeps private; its remote-context helpers were removed.
   channel = grpc.insecure_channel(
@@ -198,7 +198,7 @@ def _local_worker_context(max_concurrent_computation_calls: int,
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
-  from pipeline import tff_compiler  # pylint: disable=g-import-not-at-top
+  from tff_algos.runtime import tff_compiler  # pylint: disable=g-import-not-at-top
   context_class = (tff.framework.AsyncExecutionContext if asynchronous else
                    tff.framework.SyncExecutionContext)
   return context_class(

@@ -108,7 +108,7 @@ class Task:
   # Per-client held-out data for personalized evaluation; None if none.
   personal_eval_data: Optional[PersonalEvalData] = None
   # A client's round dataset (the batches it trains on) -> its analytic
-  # costs (tff_algos.communication.CLIENT_COST_FIELDS), reported per round
+  # costs (tff_algos.runtime.communication.CLIENT_COST_FIELDS), reported per round
   # as train/client_*; None if the task does not model them.
   client_cost_fn: Optional[
       Callable[[tf.data.Dataset], Mapping[str, tf.Tensor]]] = None

@@ -31,7 +31,7 @@ The server data (examples of the 20% server users, shuffled) are exposed as
 only the data-free spreadout loss at the server (Table 2: no centralized
 data), so the mixed algorithms do not read them.
 
-Per-round client costs (`client_cost_fn`, see `tff_algos.communication`):
+Per-round client costs (`client_cost_fn`, see `tff_algos.runtime.communication`):
 analytic, from the batches each sampled client trains on. With
 d = embedding dim, b = a batch's size, c = its non-padding context ids,
 N = number of movies, per client step (the counting of [MixedFL] App. C.3):

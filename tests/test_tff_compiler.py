@@ -12,7 +12,7 @@ from tensorflow_federated.python.core.backends.native import compiler as tff_nat
 from tensorflow_federated.python.core.impl.compiler import building_blocks
 from tensorflow_federated.python.core.impl.compiler import tree_analysis
 
-from pipeline import tff_compiler
+from tff_algos.runtime import tff_compiler
 from tasks import base
 from tasks import registry as task_registry
 from tff_algos import contract

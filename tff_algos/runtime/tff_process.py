@@ -50,6 +50,7 @@ from tff_algos.algorithms import round as round_lib
 from tff_algos.runtime import client_states
 from tff_algos.runtime import cohort
 from tff_algos.runtime import communication
+from tff_algos.runtime import tff_compiler
 
 ROUND_TYPE = tff.StructWithPythonType(
     [('round_num', np.int64), ('server_seed', np.int64)],
@@ -163,6 +164,9 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
   @tff.tensorflow.computation(payload_type,
                               group_type(definition.has_client_state))
   def group_comp(payload, group):
+    # Graph optimization without recomputation heuristics, which break the
+    # group loop's gradients (runtime.tff_compiler).
+    tff_compiler.mark_without_recomputation()
     run = run_group(definition.client_context())
     return run(payload['message'], payload['round_num'], group)
 

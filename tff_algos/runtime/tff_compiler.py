@@ -67,6 +67,11 @@ def _graph_def(computation: building_blocks.CompiledComputation):
       computation.proto.tensorflow.graph_def)
 
 
+def mark_without_recomputation() -> None:
+  """Marks the TF computation being traced for `without_recomputation`."""
+  tf.no_op(name=_NO_RECOMPUTATION_MARKER)
+
+
 def without_recomputation(computation: building_blocks.CompiledComputation
                           ) -> building_blocks.CompiledComputation:
   """`computation`, marked to compile without the memory optimizer's
