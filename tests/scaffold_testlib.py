@@ -18,12 +18,9 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from pipeline import client_store
 from pipeline import driver
 from tasks import base
-from tff_algos import registry
-from tff_algos import scaffold_tf
-from tff_algos.config import AlgorithmConfig
+from tff_algos.algorithms import registry
 
 NUM_FEATURES = 2
 # Batches of 2 give K_i = 2, 3, 1, 3 local steps (the last client ends on a
@@ -225,11 +222,11 @@ def _read_columns(run_dir):
 
 def make_runner(task: base.Task, root: str):
   """`run(name, algorithm_name, wrap=None, rounds=ROUNDS, runtime='tff',
-  **config)` -> Run, memoized by name.
+  **settings)` -> Run, memoized by name.
 
-  Each run builds its algorithm from `AlgorithmConfig(**config)` (on top of
-  this module's learning rates and population), optionally wraps it, and
-  trains `rounds` rounds on `runtime` with the sqlite client-state store.
+  Each run builds its algorithm from its settings class (this module's
+  learning rates, overridden by `settings`), optionally wraps its round
+  definition, and trains `rounds` rounds on `runtime`.
   """
   runs = {}
 
@@ -237,29 +234,29 @@ def make_runner(task: base.Task, root: str):
           **overrides) -> Run:
     if name in runs:
       return runs[name]
-    config = AlgorithmConfig(**{
-        'client_learning_rate': CLIENT_LR,
-        'server_learning_rate': SERVER_LR,
-        'num_train_clients': NUM_CLIENTS,
-        'clients_per_round': CLIENTS_PER_ROUND,
+    settings_class = registry.settings_class(algorithm_name)
+    defaults = {'client_learning_rate': CLIENT_LR,
+                'server_learning_rate': SERVER_LR}
+    settings = settings_class(**{
+        **{k: v for k, v in defaults.items()
+           if k in {f.name for f in dataclasses.fields(settings_class)}},
         **overrides})
-    algorithm = registry.build_algorithm(algorithm_name, task.model_fn, config)
+    definition = registry.build(algorithm_name, task, settings)
     if wrap:
-      algorithm = wrap(algorithm)
+      definition = wrap(definition)
     run_config = driver.RunConfig(
         root_output_dir=root, experiment_name=name,
         total_rounds=rounds, clients_per_round=CLIENTS_PER_ROUND,
         rounds_per_eval=rounds, rounds_per_checkpoint=rounds, seed=SEED,
-        client_state_store='sqlite', export=False, runtime=runtime)
-    result = driver.train(algorithm, task, run_config)
+        export=False, runtime=runtime)
+    result = driver.train(definition, task, run_config)
     client_cvs = {}
-    if algorithm.has_client_state:
-      store = client_store.open_store(algorithm.client_state_fn, 'sqlite',
-                                      run_config.run_dir)
+    if definition.has_client_state:
+      states = driver.committed_client_states(definition, task,
+                                              run_config.run_dir)
       ids = [str(k) for k in range(NUM_CLIENTS)]
       client_cvs = dict(zip(range(NUM_CLIENTS), (
-          s['control_variate'] for s in store.read(ids))))
-      store.close()
+          s['control_variate'] for s in states.read(ids))))
     runs[name] = Run(result, _read_columns(run_config.run_dir), client_cvs)
     return runs[name]
 

@@ -17,7 +17,8 @@ import dataclasses
 import numpy as np
 import pytest
 import tensorflow as tf
-import tensorflow_federated as tff
+
+from tff_algos.algorithms import round as round_lib
 
 import scaffold_testlib as lib
 
@@ -47,34 +48,32 @@ def test_fedpvr_masking_everything_equals_scaffold_option2(run):
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
-def with_control_variates_zeroed(algorithm):
-  """The same process, with c and every c_i set to zero before each round."""
-  inner = algorithm.process
-  state_type = inner.initialize.type_signature.result
-  inputs_type = inner.next.type_signature.parameter[1]
+def with_control_variates_zeroed(definition):
+  """The same round, with c and every c_i set to zero before each round."""
 
-  @tff.tensorflow.computation(state_type.member)
-  def zero_server_cv(state):
-    return collections.OrderedDict(
-        global_model_weights=state['global_model_weights'],
-        control_variate=[tf.zeros_like(c) for c in state['control_variate']],
-        optimizer_state=state['optimizer_state'])
+  def zeroed(control_variates):
+    return [tf.zeros_like(c) for c in control_variates]
 
-  @tff.tensorflow.computation(inputs_type.member.state)
-  def zero_client_cv(client_state):
-    return collections.OrderedDict(control_variate=[
-        tf.zeros_like(c) for c in client_state['control_variate']])
+  def broadcast(state, central):
+    message = collections.OrderedDict(definition.broadcast(state, central))
+    message['control_variate'] = zeroed(message['control_variate'])
+    return message
 
-  @tff.federated_computation(state_type, inputs_type)
-  def next_fn(state, client_inputs):
-    zeroed_inputs = tff.federated_zip(collections.OrderedDict(
-        data=client_inputs.data,
-        state=tff.federated_map(zero_client_cv, client_inputs.state)))
-    return inner.next(tff.federated_map(zero_server_cv, state), zeroed_inputs)
+  def with_zeroed_state(function):
+    def call(context, message, client_state, *args):
+      return function(context, message, collections.OrderedDict(
+          control_variate=zeroed(client_state['control_variate'])), *args)
+    return call
 
+  work = definition.client_work
   return dataclasses.replace(
-      algorithm,
-      process=tff.templates.IterativeProcess(inner.initialize, next_fn))
+      definition, broadcast=broadcast,
+      client_work=round_lib.ClientWork(
+          start=with_zeroed_state(work.start),
+          steps=tuple(with_zeroed_state(f) for f in work.steps),
+          finish=with_zeroed_state(work.finish),
+          end_pass=(None if work.end_pass is None else
+                    tuple(with_zeroed_state(f) for f in work.end_pass))))
 
 
 def test_scaffold_with_zero_control_variates_equals_fedavg(run):

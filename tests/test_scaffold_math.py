@@ -12,8 +12,10 @@ import pytest
 import tensorflow as tf
 
 from pipeline import driver
-from pipeline.errors import UsageError
-from tff_algos import scaffold_tf
+from tff_algos.algorithms import registry
+from tff_algos.algorithms import settings as settings_lib
+from tff_algos.algorithms.scaffold import definition as scaffold
+from tff_algos.algorithms.scaffold import math as scaffold_tf
 
 import scaffold_testlib as lib
 
@@ -143,10 +145,16 @@ def test_mask_from_start_variable_and_bad_values():
       False, True, True)
   assert scaffold_tf.control_variate_mask(names, start_variable=3) == (
       False, False, False)
-  with pytest.raises(UsageError, match='--pvr_start_variable'):
+  with pytest.raises(ValueError, match='start_variable=4 is out of range'):
     scaffold_tf.control_variate_mask(names, start_variable=4)
-  with pytest.raises(UsageError, match='--pvr_last_layers'):
+  with pytest.raises(ValueError, match='last_layers must be >= 0'):
     scaffold_tf.control_variate_mask(names, last_layers=-1)
+  # The settings name the flag the binaries report.
+  with pytest.raises(settings_lib.SettingError, match='pvr_start_variable'):
+    registry.build('fedpvr', lib.build_linear_task(),
+                   scaffold.FedPvrSettings(pvr_start_variable=3))
+  with pytest.raises(settings_lib.SettingError, match='pvr_last_layers'):
+    scaffold.FedPvrSettings(pvr_last_layers=-1)
 
 
 def test_drift_diversity_per_layer():

@@ -113,11 +113,9 @@ class StateFormat:
     return tf.cond(version >= 0, stored, initial)
 
   def write(self, client_id: tf.Tensor, version: tf.Tensor, state) -> tf.Operation:
-    parts = tf.stack([tf.io.serialize_tensor(tf.convert_to_tensor(leaf))
-                      for leaf in tf.nest.flatten(state)])
     # write_file creates the round directory when it is missing.
     return tf.io.write_file(self._path(client_id, version),
-                            tf.io.serialize_tensor(parts))
+                            tf.io.serialize_tensor(_parts(state)))
 
   # ---- Python -------------------------------------------------------------
 
@@ -269,8 +267,14 @@ def collect_garbage(directory: str, kept_indexes: Sequence[StateIndex],
   return deleted
 
 
+def _parts(state) -> tf.Tensor:
+  """A state's leaves, each serialized, as a string vector."""
+  leaves = [tf.io.serialize_tensor(tf.convert_to_tensor(leaf))
+            for leaf in tf.nest.flatten(state)]
+  return tf.stack(leaves) if leaves else tf.zeros([0], tf.string)
+
+
 def serialized_size(specs) -> int:
   """Bytes of one stored state of `specs` (fixed shapes), for validation."""
   zeros = [tf.zeros(s.shape, s.dtype) for s in tf.nest.flatten(specs)]
-  parts = tf.stack([tf.io.serialize_tensor(z) for z in zeros])
-  return len(tf.io.serialize_tensor(parts).numpy())
+  return len(tf.io.serialize_tensor(_parts(zeros)).numpy())
