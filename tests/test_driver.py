@@ -12,8 +12,8 @@ from pipeline import driver
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import registry as task_registry
-from tff_algos import registry as algorithm_registry
-from tff_algos.config import AlgorithmConfig
+from tff_algos.algorithms import registry as algorithm_registry
+from tff_algos.algorithms.baselines import definition as baselines
 
 TIMING_COLUMNS = ('round_seconds', 'eval_seconds')
 
@@ -27,8 +27,8 @@ def task():
 
 @pytest.fixture(scope='module')
 def fedavg(task):
-  return algorithm_registry.build_algorithm(
-      'fedavg', task.model_fn, AlgorithmConfig(client_learning_rate=0.05))
+  return algorithm_registry.build(
+      'fedavg', task, baselines.FedAvgSettings(client_learning_rate=0.05))
 
 
 def run(algorithm, task, root, name, total_rounds, **kwargs):

@@ -1,11 +1,15 @@
 """Clients split over several TFF workers give the one-worker run.
 
 SCAFFOLD on the 4-client linear task (2 clients a round, so each of 2 workers
-gets one): its new client states come back per client and are used in the
-next round, so a scrambled split or a permuted return would change the
-weights, the server control variate and the stored c_i.
+gets one): each client's new state is written by its own computation and
+read in the next round, so a scrambled split would change the weights, the
+server control variate and the stored c_i. Each client's update runs exactly
+once per round (counted by a marker file its computation writes), and mixed
+FL's central update once per round, not once per sub-round.
 """
 
+import dataclasses
+import os
 import subprocess
 import time
 
@@ -16,33 +20,60 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from pipeline import client_store
 from pipeline import driver
 from pipeline import tff_runtime
 from pipeline.errors import UsageError
 import scaffold_testlib as lib
-from tff_algos import registry
-from tff_algos.config import AlgorithmConfig
+from test_native_runtime import tiny_task
+from tff_algos.algorithms import registry
+from tff_algos.algorithms.mixed import definition as mixed
+from tff_algos.algorithms.scaffold import definition as scaffold
 
 ROUNDS = 3
 
 
-def _train(task, root, name):
-  algorithm = registry.build_algorithm('scaffold', task.model_fn,
-                                       AlgorithmConfig(
-                                           client_learning_rate=lib.CLIENT_LR,
-                                           server_learning_rate=lib.SERVER_LR,
-                                           num_train_clients=lib.NUM_CLIENTS))
+def _marker(directory: str) -> tf.Operation:
+  """Writes an empty file with a random name into `directory`."""
+  name = tf.strings.as_string(
+      tf.random.uniform([], maxval=2**62, dtype=tf.int64))
+  return tf.io.write_file(tf.strings.join([directory, '/', name]), '')
+
+
+def counting_client_updates(definition, directory):
+  """`definition` whose every client update also writes a marker file."""
+  work = definition.client_work
+
+  def finish(context, message, client_state, carry):
+    _marker(directory)
+    return work.finish(context, message, client_state, carry)
+
+  return dataclasses.replace(definition, client_work=dataclasses.replace(
+      work, finish=finish))
+
+
+def counting_central_updates(definition, directory):
+  central = definition.central
+
+  def run(context, state, central_data):
+    _marker(directory)
+    return central.run(context, state, central_data)
+
+  return dataclasses.replace(definition, central=dataclasses.replace(
+      central, run=run))
+
+
+def _train(task, root, name, count_dir=None):
+  definition = registry.build('scaffold', task, scaffold.ScaffoldSettings(
+      client_learning_rate=lib.CLIENT_LR, server_learning_rate=lib.SERVER_LR))
+  if count_dir is not None:
+    definition = counting_client_updates(definition, str(count_dir))
   config = driver.RunConfig(
       root_output_dir=str(root), experiment_name=name, total_rounds=ROUNDS,
       clients_per_round=lib.CLIENTS_PER_ROUND, rounds_per_eval=ROUNDS,
-      rounds_per_checkpoint=ROUNDS, seed=lib.SEED,
-      client_state_store='sqlite', export=False)
-  result = driver.train(algorithm, task, config)
-  store = client_store.open_store(algorithm.client_state_fn, 'sqlite',
-                                  config.run_dir)
-  client_states = dict(store.items())
-  store.close()
+      rounds_per_checkpoint=ROUNDS, seed=lib.SEED, export=False)
+  result = driver.train(definition, task, config)
+  client_states = dict(driver.committed_client_states(
+      definition, task, config.run_dir).items())
   return result, client_states
 
 
@@ -112,7 +143,11 @@ def test_two_remote_workers_on_loopback_give_the_one_worker_run(
     tff_runtime.configure_execution(
         worker_addresses=tff_runtime.parse_worker_addresses(
             ','.join(f'localhost:{port}' for port in ports)))
-    run = _train(task, tmp_path, 'scaffold')
+    counts = tmp_path / 'client_updates'
+    counts.mkdir()
+    run = _train(task, tmp_path, 'scaffold', counts)
+    # Every client update ran once, on one of the workers.
+    assert len(os.listdir(counts)) == ROUNDS * lib.CLIENTS_PER_ROUND
     for worker in workers:
       # Both served computations (TFF's worker grows once it has run one).
       assert worker.poll() is None
@@ -135,7 +170,29 @@ def test_sub_rounds_on_one_worker_give_the_one_worker_run(
   tff_runtime.configure_execution(num_subrounds=2)
   context = tff.framework.get_context_stack().current
   assert len(context._async_execution_contexts) == 1  # pylint: disable=protected-access
-  _assert_same_run(one_worker_run, _train(task, tmp_path, 'scaffold'))
+  counts = tmp_path / 'client_updates'
+  counts.mkdir()
+  _assert_same_run(one_worker_run, _train(task, tmp_path, 'scaffold', counts))
+  assert len(os.listdir(counts)) == ROUNDS * lib.CLIENTS_PER_ROUND
+
+
+def test_central_update_runs_once_per_round_with_sub_rounds(
+    tmp_path, restore_default_context):
+  del restore_default_context
+  tff_runtime.configure_execution(num_subrounds=2)
+  task = tiny_task(client_steps=2)
+  counts = tmp_path / 'central_updates'
+  counts.mkdir()
+  definition = counting_central_updates(
+      registry.build('mixed_2wgt', task, mixed.TwoWayGtSettings(
+          client_learning_rate=0.3, central_learning_rate=0.2)),
+      str(counts))
+  rounds = 2
+  driver.train(definition, task, driver.RunConfig(
+      root_output_dir=str(tmp_path), experiment_name='mixed',
+      total_rounds=rounds, clients_per_round=4, rounds_per_eval=rounds,
+      rounds_per_checkpoint=rounds, export=False))
+  assert len(os.listdir(counts)) == rounds
 
 
 @pytest.mark.parametrize('addresses', ['localhost', 'localhost:port',

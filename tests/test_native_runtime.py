@@ -19,9 +19,15 @@ from pipeline import export as export_lib
 from pipeline import tff_runtime
 from tasks import base
 import fedres_testing
-from tff_algos import native
-from tff_algos import registry as algorithm_registry
-from tff_algos.config import AlgorithmConfig
+from tff_algos.algorithms import registry as algorithm_registry
+from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms.baselines import definition as baselines
+from tff_algos.algorithms.fedres import definition as fedres
+from tff_algos.algorithms.mixed import definition as mixed
+from tff_algos.algorithms.scaffold import definition as scaffold
+from tff_algos.runtime import client_states
+from tff_algos.runtime import cohort
+from tff_algos.runtime import native
 
 NUM_CLIENTS = 6
 NUM_FEATURES = 3
@@ -63,7 +69,7 @@ def tiny_task(client_steps=None) -> base.Task:
                      24).shuffle(24, seed=seed).repeat().batch(4).take(3)
 
   return base.Task(
-      name='tiny_logistic',
+      name='tiny_logistic', data_config=config,
       train_client_ids=tuple(str(k) for k in range(NUM_CLIENTS)),
       client_dataset_computation=base.client_dataset_computation(
           client_dataset),
@@ -86,9 +92,10 @@ def test_native_datasets_are_the_tff_computations_datasets(task):
   # an eagerly built `shuffle(seed=s)` would draw other batches than the
   # same pipeline inside a TFF computation.
   tf.random.set_seed(1)
-  client_dataset = native.graph_mode_dataset_fn(
-      task.client_dataset_fn, (tf.TensorSpec([], tf.string),
-                               tf.TensorSpec([], tf.int64)))
+  client_dataset = tf.function(
+      native.graph_mode_dataset_fn(task.client_dataset_fn),
+      input_signature=(tf.TensorSpec([], tf.string),
+                       tf.TensorSpec([], tf.int64)), autograph=False)
   for client_id, seed in (('4', 7), ('4', 8), ('2', 7)):
     from_tff = list(task.client_dataset_computation(client_id, seed))
     from_native = list(client_dataset(tf.constant(client_id),
@@ -100,53 +107,36 @@ def test_native_datasets_are_the_tff_computations_datasets(task):
 
 
 CONFIGS = {
-    'fedavg': AlgorithmConfig(client_learning_rate=0.3,
-                              server_learning_rate=0.8),
-    'fedprox': AlgorithmConfig(client_learning_rate=0.3,
-                               proximal_strength=0.5,
-                               server_optimizer='adam',
-                               server_learning_rate=0.05),
-    'fedsgd': AlgorithmConfig(server_learning_rate=0.5),
-    'scaffold': AlgorithmConfig(client_learning_rate=0.3,
-                                server_learning_rate=0.9,
-                                num_train_clients=NUM_CLIENTS),
+    'fedavg': baselines.FedAvgSettings(client_learning_rate=0.3,
+                                       server_learning_rate=0.8),
+    'fedprox': baselines.FedProxSettings(client_learning_rate=0.3,
+                                         proximal_strength=0.5,
+                                         server_optimizer='adam',
+                                         server_learning_rate=0.05),
+    'fedsgd': baselines.FedSgdSettings(server_learning_rate=0.5),
+    'scaffold': scaffold.ScaffoldSettings(client_learning_rate=0.3,
+                                          server_learning_rate=0.9),
     # Option I passes over a client's dataset twice in one computation.
-    'scaffold_option_1': AlgorithmConfig(client_learning_rate=0.3,
-                                         server_learning_rate=0.9,
-                                         num_train_clients=NUM_CLIENTS,
-                                         scaffold_option=1),
-    'fedpvr': AlgorithmConfig(client_learning_rate=0.3,
-                              client_optimizer='sgdm',
-                              num_train_clients=NUM_CLIENTS,
-                              drift_diversity=True),
-    'mixed_pt': AlgorithmConfig(client_learning_rate=0.3,
-                                central_learning_rate=0.2,
-                                central_steps=2),
-    'mixed_1wgt': AlgorithmConfig(client_learning_rate=0.3,
-                                  mixed_diagnostics=True),
-    'mixed_2wgt': AlgorithmConfig(client_learning_rate=0.3,
-                                  central_learning_rate=0.2,
-                                  merge_learning_rate=0.7, central_steps=2,
-                                  mixed_diagnostics=True),
+    'scaffold_option_1': scaffold.ScaffoldSettings(client_learning_rate=0.3,
+                                                   server_learning_rate=0.9,
+                                                   scaffold_option=1),
+    'fedpvr': scaffold.FedPvrSettings(client_learning_rate=0.3,
+                                      client_optimizer='sgdm',
+                                      drift_diversity=True),
+    'mixed_pt': mixed.ParallelTrainingSettings(client_learning_rate=0.3,
+                                               central_learning_rate=0.2),
+    'mixed_1wgt': mixed.OneWayGtSettings(client_learning_rate=0.3,
+                                         mixed_diagnostics=True),
+    'mixed_2wgt': mixed.TwoWayGtSettings(client_learning_rate=0.3,
+                                         central_learning_rate=0.2,
+                                         merge_learning_rate=0.7,
+                                         mixed_diagnostics=True),
 }
 
 
 @pytest.fixture(scope='module')
 def task():
   return tiny_task(client_steps=2)
-
-
-def _round_inputs(task, round_num, clients_per_round, states=None):
-  plan = driver.plan_round(3, round_num, task.num_train_clients,
-                           clients_per_round)
-  ids = [task.train_client_ids[i] for i in plan.client_indices]
-  inputs = [collections.OrderedDict(id=cid, seed=seed)
-            for cid, seed in zip(ids, plan.client_seeds)]
-  if states is not None:
-    for client_input in inputs:
-      client_input['state'] = states.setdefault(client_input['id'],
-                                                states['__init__']())
-  return ids, inputs, plan.server_seed
 
 
 def assert_structures_close(actual, expected):
@@ -160,42 +150,55 @@ def assert_structures_close(actual, expected):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), **TOLERANCE)
 
 
-def run_rounds(algorithm, task, runtime, num_rounds=2, clients_per_round=3):
+def run_rounds(definition, task, runtime, store_dir, num_rounds=2,
+               clients_per_round=3):
   """(server states, client states, metrics) after each round."""
-  return run_process_rounds(algorithm, task,
-                            driver.compose_process(algorithm, task, runtime),
-                            num_rounds, clients_per_round)
+  formats = driver.state_format(definition, str(store_dir))
+  return run_process_rounds(
+      definition, task,
+      driver.compose_process(definition, task, runtime, formats), formats,
+      num_rounds, clients_per_round)
 
 
-def run_process_rounds(algorithm, task, process, num_rounds=2,
-                       clients_per_round=3):
-  """`run_rounds` on a composed by-id process."""
-  state = algorithm.set_model_weights(
+def run_process_rounds(definition, task, process, formats, num_rounds=2,
+                       clients_per_round=3, clients_per_group=2):
+  """`run_rounds` on a composed process; client states read after each
+  round from the store (`formats`)."""
+  state = round_lib.set_model_weights(
       process.initialize(), driver.initial_model_weights(task, 0))
-  states = None
-  if algorithm.has_client_state:
-    states = {'__init__': algorithm.client_state_fn}
+  index = client_states.StateIndex(task.train_client_ids)
+  ids = np.asarray(task.train_client_ids, dtype=object)
   history = []
   for round_num in range(1, num_rounds + 1):
-    ids, inputs, server_seed = _round_inputs(task, round_num,
-                                             clients_per_round, states)
-    state, outputs, metrics = process.next(state, inputs, server_seed)
-    if states is not None:
-      states.update(zip(ids, [o['state'] for o in outputs]))
-    client_states = None if states is None else {
-        k: v for k, v in states.items() if k != '__init__'}
-    history.append((state, client_states, metrics))
+    plan = driver.plan_round(3, round_num, task.num_train_clients,
+                             clients_per_round)
+    versions = (index.versions_of(plan.client_indices)
+                if formats is not None else None)
+    state, metrics = process.next(
+        state, cohort.groups(ids[plan.client_indices], plan.client_seeds,
+                             versions, clients_per_group),
+        round_num, plan.server_seed)
+    states = None
+    if formats is not None:
+      index.commit(plan.client_indices, round_num)
+      view = client_states.ClientStates(formats, index)
+      sampled = sorted(cid for cid, seen in zip(
+          task.train_client_ids, view.has_state(task.train_client_ids))
+                       if seen)
+      states = dict(zip(sampled, view.read(sampled)))
+    history.append((state, states, metrics))
   return history
 
 
 FEDRES_CONFIGS = {
-    'fedres_naive': AlgorithmConfig(client_learning_rate=0.1,
-                                    local_learning_rate=0.2),
-    'fedres_sgd': AlgorithmConfig(client_learning_rate=0.1,
-                                  local_learning_rate=0.2),
-    'fedres_avg': AlgorithmConfig(client_learning_rate=0.1,
-                                  local_learning_rate=0.2, fedres_option=2,
-                                  fedres_alpha=0.8),
+    'fedres_naive': fedres.FedResSettings(client_learning_rate=0.1,
+                                          local_learning_rate=0.2),
+    'fedres_sgd': fedres.FedResSettings(client_learning_rate=0.1,
+                                        local_learning_rate=0.2),
+    'fedres_avg': fedres.FedResAvgSettings(client_learning_rate=0.1,
+                                           local_learning_rate=0.2,
+                                           fedres_option=2,
+                                           fedres_alpha=0.8),
 }
 
 
@@ -210,20 +213,23 @@ def fedres_task():
 
 
 @pytest.fixture(scope='module')
-def histories(task, fedres_task):
+def histories(task, fedres_task, tmp_path_factory):
   """name -> (algorithm, TFF runtime's rounds, native runtime's rounds)."""
   cache = {}
 
   def history_of(name):
     if name not in cache:
-      case_task, config = ((fedres_task, FEDRES_CONFIGS[name])
-                           if name in FEDRES_CONFIGS else (task, CONFIGS[name]))
+      case_task, settings = ((fedres_task, FEDRES_CONFIGS[name])
+                             if name in FEDRES_CONFIGS
+                             else (task, CONFIGS[name]))
       # A case's algorithm: its name up to `_option_`.
-      algorithm = algorithm_registry.build_algorithm(
-          name.split('_option_')[0], case_task.model_fn, config,
-          task=case_task)
-      cache[name] = (algorithm, run_rounds(algorithm, case_task, 'tff'),
-                     run_rounds(algorithm, case_task, 'native'))
+      definition = algorithm_registry.build(name.split('_option_')[0],
+                                            case_task, settings)
+      cache[name] = (definition,
+                     run_rounds(definition, case_task, 'tff',
+                                tmp_path_factory.mktemp(f'{name}_tff')),
+                     run_rounds(definition, case_task, 'native',
+                                tmp_path_factory.mktemp(f'{name}_native')))
     return cache[name]
 
   return history_of
@@ -242,8 +248,8 @@ def test_native_rounds_equal_tff_rounds(histories, name):
   # The rounds trained: the model moved.
   first, last = tff_history[0][0], tff_history[-1][0]
   assert not np.allclose(
-      algorithm.get_model_weights(first).trainable[0],
-      algorithm.get_model_weights(last).trainable[0])
+      round_lib.get_model_weights(first).trainable[0],
+      round_lib.get_model_weights(last).trainable[0])
 
 
 def _state_field(state, name):
@@ -262,7 +268,7 @@ def test_every_algorithm_has_one_metrics_and_state_vocabulary(histories,
     # The global model: one key, tff.learning's, in every server state.
     assert 'global_model_weights' in _state_fields(state)
     weights = _state_field(state, 'global_model_weights')
-    assert_structures_close(algorithm.get_model_weights(state), weights)
+    assert_structures_close(round_lib.get_model_weights(state), weights)
     assert not {'model', 'model_weights', 'global_model'} & set(
         _state_fields(state))
     # Communication per client, in bytes, every round.
@@ -300,8 +306,7 @@ def _metric_rows(path):
 
 def test_native_driver_run_resumes_bit_identically_and_exports(task,
                                                                tmp_path):
-  algorithm = algorithm_registry.build_algorithm('scaffold', task.model_fn,
-                                                 CONFIGS['scaffold'])
+  algorithm = algorithm_registry.build('scaffold', task, CONFIGS['scaffold'])
   # No TFF execution context at all: a native run that invoked a TFF
   # computation (and so started TFF's worker) would fail here.
   tff_runtime.shutdown_workers()
@@ -327,7 +332,12 @@ def test_native_driver_run_resumes_bit_identically_and_exports(task,
   checkpoints = driver.CheckpointManager(
       str(tmp_path / 'resumed' / 'checkpoints'), keep=0)
   assert checkpoints.latest_round() == 4
-  loaded = checkpoints.load(4, driver.program_state_structure(algorithm, 4))
+  process = driver.compose_process(
+      algorithm, task, 'tff',
+      driver.state_format(algorithm, str(tmp_path / 'resumed' /
+                                         driver.CLIENT_STATE_DIR)))
+  loaded = checkpoints.load(4, driver.program_state_structure(
+      process, 4, task.num_train_clients, algorithm.has_client_state))
   tf.nest.assert_same_structure(loaded['server_state'], resumed.server_state,
                                 check_types=False)
   for a, b in zip(tf.nest.flatten(loaded['server_state']),

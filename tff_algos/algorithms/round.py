@@ -164,6 +164,9 @@ class RoundDefinition:
   # gradient transfer), reported apart in the communication metrics (0 when
   # the message has no such key).
   augmenting_message: Optional[str] = None
+  # Whether clients send their weight; False when every client weighs 1 (a
+  # uniform mean the server takes over the number of clients).
+  uploads_weight: bool = True
   # Whether the server also needs the plain sum of the model updates (2-w
   # GT's eq. 10): the same uploaded values, aggregated a second way, in the
   # clear (aggregates['model_update_sum']).

@@ -39,11 +39,12 @@ def type_bytes(value_type: tff.Type) -> int:
   raise ValueError(f'cannot size a value of type {value_type}')
 
 
-def per_client_bytes(message_type: tff.Type,
-                     group_result_type: tff.Type) -> tuple[int, int]:
+def per_client_bytes(message_type: tff.Type, group_result_type: tff.Type,
+                     uploads_weight: bool = True) -> tuple[int, int]:
   """(down, up) bytes of one client, from the types a group computes."""
-  up = sum(type_bytes(group_result_type[name])
-           for name in ('model_update', 'weight', 'sums', 'metrics'))
+  uploaded = ('model_update', 'sums', 'metrics') + (
+      ('weight',) if uploads_weight else ())
+  up = sum(type_bytes(group_result_type[name]) for name in uploaded)
   return type_bytes(message_type), up
 
 

@@ -136,7 +136,8 @@ class NativeProcess:
       result_type = tff.types.tensorflow_to_type(tf.nest.map_structure(
           lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)),
           group_result))
-      down, up = communication.per_client_bytes(message_type, result_type)
+      down, up = communication.per_client_bytes(
+          message_type, result_type, self._definition.uploads_weight)
       self._communication = communication.metrics(
           down, up, communication.augmenting_bytes(
               message_type, self._definition.augmenting_message))

@@ -189,7 +189,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
   aggregates_type = tff.StructWithPythonType(aggregates_fields,
                                              collections.OrderedDict)
   bytes_down, bytes_up = communication.per_client_bytes(
-      payload_type.message, result_type)
+      payload_type.message, result_type, definition.uploads_weight)
   augmenting_bytes = communication.augmenting_bytes(
       payload_type.message, definition.augmenting_message)
 

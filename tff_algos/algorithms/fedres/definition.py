@@ -141,7 +141,8 @@ def definition(variant: str, task: base.Task,
       client_work=math.client_work(hparams), reset_client=lambda model: None,
       server_update=server_update, finalize_metrics=finalize_metrics,
       initial_client_state=initial_client_state,
-      personalization=_personalization(task, settings, initial_local))
+      personalization=_personalization(task, settings, initial_local),
+      uploads_weight=False)
 
 
 def _local_weights_of(client_state) -> list[Any]:
