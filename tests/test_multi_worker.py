@@ -55,8 +55,11 @@ def counting_central_updates(definition, directory):
   central = definition.central
 
   def run(context, state, central_data):
-    _marker(directory)
-    return central.run(context, state, central_data)
+    # The server update is a plain graph: ops run only when something
+    # depends on them.
+    with tf.control_dependencies([_marker(directory)]):
+      return tf.nest.map_structure(tf.identity,
+                                   central.run(context, state, central_data))
 
   return dataclasses.replace(definition, central=dataclasses.replace(
       central, run=run))
