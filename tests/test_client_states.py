@@ -1,0 +1,228 @@
+"""The on-worker client-state store: format, recovery, garbage collection,
+and runs that are killed, damaged or resumed from an older checkpoint.
+
+The crash tests train SCAFFOLD (a full-model c_i per client) on digits with
+the binary, kill it with SIGKILL while a round is writing its clients' new
+states, optionally leave one of those files half written, re-run the same
+command, and require metrics.csv and the final weights to equal an
+uninterrupted run's exactly.
+"""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pipeline import export as export_lib
+from tff_algos.runtime import client_states
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------------------
+# Format, recovery and garbage collection.
+
+
+def _format(directory, specs=None):
+  specs = specs or {'a': tf.TensorSpec([2, 3], tf.float32),
+                    'b': [tf.TensorSpec([4], tf.int64)]}
+  return client_states.StateFormat(
+      str(directory), specs,
+      lambda: tf.nest.map_structure(lambda s: tf.ones(s.shape, s.dtype),
+                                    specs))
+
+
+def test_states_round_trip_by_client_id_and_version(tmp_path):
+  state_format = _format(tmp_path)
+  state = {'a': np.arange(6, dtype=np.float32).reshape(2, 3),
+           'b': [np.array([1, 2, 3, 4], np.int64)]}
+
+  @tf.function
+  def write_then_read(client_id, version):
+    with tf.control_dependencies([state_format.write(client_id, version,
+                                                     state)]):
+      return state_format.read(client_id, version)
+
+  # Any client id, also with characters file names cannot hold.
+  for client_id in ('7', 'user/12 3+x', 'ü'):
+    read = write_then_read(tf.constant(client_id), tf.constant(5, tf.int64))
+    np.testing.assert_array_equal(read['a'], state['a'])
+    np.testing.assert_array_equal(read['b'][0], state['b'][0])
+    assert os.path.isfile(state_format.file_path(client_id, 5))
+    np.testing.assert_array_equal(state_format.load(client_id, 5)['a'],
+                                  state['a'])
+  assert sorted(os.listdir(tmp_path)) == ['round_5']
+  # Version -1: the initializer's state, no file read.
+  initial = state_format.read(tf.constant('never'), tf.constant(-1, tf.int64))
+  np.testing.assert_array_equal(initial['a'], np.ones([2, 3]))
+  assert client_states.client_id_of(client_states.file_name('user/12 3+x')
+                                    ) == 'user/12 3+x'
+
+
+def test_an_empty_state_is_stored_too(tmp_path):
+  state_format = _format(tmp_path, specs={'control_variate': []})
+  state_format.write(tf.constant('1'), tf.constant(2, tf.int64),
+                     {'control_variate': []})
+  assert state_format.load('1', 2) == {'control_variate': []}
+  assert os.path.getsize(state_format.file_path('1', 2)) == (
+      client_states.serialized_size(state_format.specs))
+
+
+def _write(state_format, client_id, version):
+  state_format.write(tf.constant(client_id), tf.constant(version, tf.int64),
+                     {'a': np.full([2, 3], version, np.float32),
+                      'b': [np.zeros([4], np.int64)]})
+
+
+def test_recovery_removes_uncommitted_rounds_and_gc_keeps_checkpoints(
+    tmp_path):
+  state_format = _format(tmp_path)
+  ids = ('0', '1', '2')
+  for version, clients in ((1, ('0', '1')), (2, ('0',)), (3, ('1', '2')),
+                           (4, ('0',))):
+    for client_id in clients:
+      _write(state_format, client_id, version)
+  # Checkpoints at rounds 2 and 3; round 4 never committed.
+  at_2 = client_states.StateIndex(ids, np.array([2, 1, -1]))
+  at_3 = client_states.StateIndex(ids, np.array([2, 3, 3]))
+  assert client_states.recover(str(tmp_path), 3) == [4]
+  assert not os.path.exists(tmp_path / 'round_4')
+  # Only what no kept checkpoint names goes: client 0's version 1.
+  assert client_states.collect_garbage(str(tmp_path), [at_2, at_3], 3) == 1
+  assert sorted(os.listdir(tmp_path / 'round_1')) == [
+      client_states.file_name('1')]
+  for index in (at_2, at_3):
+    assert not client_states.missing_files(
+        state_format, index,
+        client_states.serialized_size(state_format.specs))
+  # A missing or truncated file of a checkpoint is found.
+  os.remove(state_format.file_path('2', 3))
+  path = state_format.file_path('1', 3)
+  with open(path, 'r+b') as f:
+    f.truncate(10)
+  assert sorted(client_states.missing_files(
+      state_format, at_3,
+      client_states.serialized_size(state_format.specs))) == sorted(
+          [state_format.file_path('2', 3), path])
+
+
+# ---------------------------------------------------------------------------
+# Runs of the binary: kills, damage, older checkpoints.
+
+ROUNDS = 6
+TRAIN = ['--task=digits', '--algorithm=scaffold', '--num_clients=40',
+         '--clients_per_round=30', '--client_steps=25',
+         '--client_batch_size=16', '--client_learning_rate=0.05',
+         f'--total_rounds={ROUNDS}', '--rounds_per_checkpoint=2',
+         '--rounds_per_eval=3', '--runtime=native', '--seed=4']
+
+
+def _command(root, name):
+  return [sys.executable, '-m', 'binaries.train', f'--root_output_dir={root}',
+          f'--experiment_name={name}', *TRAIN]
+
+
+def _train(root, name):
+  done = subprocess.run(_command(root, name), cwd=ROOT, capture_output=True,
+                        text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done
+
+
+def _results(run_dir):
+  with open(os.path.join(run_dir, 'metrics.csv')) as f:
+    rows = [{k: v for k, v in row.items() if not k.endswith('_seconds')}
+            for row in csv.DictReader(f)]
+  weights = export_lib.load_model_weights(os.path.join(run_dir, 'export'))
+  return rows, [np.asarray(w) for w in weights.trainable]
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  root = tmp_path_factory.mktemp('uninterrupted')
+  _train(root, 'run')
+  return _results(root / 'run')
+
+
+def _kill_while_writing_a_round(root, name):
+  """Starts the run; SIGKILLs it once a round after the first checkpoint
+  has written some, not all, of its clients' states. Returns that round."""
+  states = root / name / 'client_states'
+  process = subprocess.Popen(_command(root, name), cwd=ROOT,
+                             stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+  try:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and process.poll() is None:
+      for round_num in (3, 5):
+        path = states / f'round_{round_num}'
+        written = len(os.listdir(path)) if path.is_dir() else 0
+        if 0 < written < 30:
+          os.killpg(process.pid, signal.SIGKILL)
+          process.wait()
+          return round_num
+      time.sleep(0.0005)
+  finally:
+    if process.poll() is None:
+      os.killpg(process.pid, signal.SIGKILL)
+      process.wait()
+  pytest.fail('the run never was caught writing a round')
+
+
+@pytest.mark.parametrize('damage', [False, True],
+                         ids=['killed', 'killed_half_written'])
+def test_killed_mid_round_resumes_exactly(tmp_path, uninterrupted, damage):
+  round_num = _kill_while_writing_a_round(tmp_path, 'run')
+  round_dir = tmp_path / 'run' / 'client_states' / f'round_{round_num}'
+  files = sorted(round_dir.iterdir())
+  assert files  # Some clients of the round had written their state.
+  if damage:
+    with open(files[0], 'r+b') as f:
+      f.truncate(os.path.getsize(files[0]) // 2)
+  done = _train(tmp_path, 'run')
+  assert 'uncommitted' in done.stderr  # The resume says what it removed.
+  rows, weights = _results(tmp_path / 'run')
+  expected_rows, expected_weights = uninterrupted
+  assert rows == expected_rows
+  for got, want in zip(weights, expected_weights, strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_resume_from_an_older_checkpoint_is_exact(tmp_path, uninterrupted):
+  # As the error message for a damaged checkpoint advises: delete the newest
+  # checkpoint and resume from the one before it.
+  _train(tmp_path, 'run')
+  checkpoints = tmp_path / 'run' / 'checkpoints'
+  for name in os.listdir(checkpoints):
+    if name == f'round_{ROUNDS}':
+      subprocess.run(['rm', '-r', str(checkpoints / name)], check=True)
+  done = _train(tmp_path, 'run')
+  assert done.returncode == 0
+  rows, weights = _results(tmp_path / 'run')
+  expected_rows, expected_weights = uninterrupted
+  assert rows == expected_rows
+  for got, want in zip(weights, expected_weights, strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_missing_client_states_are_one_clear_error(tmp_path):
+  _train(tmp_path, 'run')
+  subprocess.run(['rm', '-r', str(tmp_path / 'run' / 'client_states')],
+                 check=True)
+  metrics_before = (tmp_path / 'run' / 'metrics.csv').read_bytes()
+  command = _command(tmp_path, 'run')
+  command[command.index(f'--total_rounds={ROUNDS}')] = (
+      f'--total_rounds={ROUNDS + 1}')
+  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                        timeout=900)
+  assert done.returncode == 2
+  errors = [l for l in done.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and 'missing or damaged' in errors[0]
+  assert (tmp_path / 'run' / 'metrics.csv').read_bytes() == metrics_before
