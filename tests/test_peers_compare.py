@@ -96,8 +96,10 @@ def test_summary_takes_the_fastest_config_and_per_pair_ratios():
 
 
 def test_pfl_configs_are_processes_by_threads():
-  assert compare.parse_configs('1x2, 2x1') == [(1, 2), (2, 1)]
-  for bad in ('2', '0x1', 'ax1'):
+  assert compare.parse_configs('1x2, 2x1,1x1+1') == [(1, 2, 0), (2, 1, 0),
+                                                     (1, 1, 1)]
+  assert compare.config_name(1, 1, 1) == '1x1+1'
+  for bad in ('2', '0x1', 'ax1', '1x1+'):
     with pytest.raises(ValueError):
       compare.parse_configs(bad)
 

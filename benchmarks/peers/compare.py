@@ -12,9 +12,9 @@ Each pair is A then B, so both sides see the same minutes of the machine:
      `.venv/bin/python -m binaries.benchmark --modes=tff` measuring FedAvg
      and, in its sweep, SCAFFOLD (c_i in the driver's on-disk store);
   B: pfl_benchmark.py in the peer venv, once per pfl configuration
-     (--pfl_configs: processes x torch threads) for FedAvg and for SCAFFOLD
-     with pfl's c_i storage on disk and in memory (in-memory only with one
-     process: pfl keeps it per process).
+     (--pfl_configs: processes x torch threads [+ DataLoader processes])
+     for FedAvg and for SCAFFOLD with pfl's c_i storage on disk and in
+     memory (in-memory only with one process: pfl keeps it per process).
 Both sides run the same workload (pfl_benchmark.py's docstring) and the
 same timed and warm-up rounds; each measurement is its own process (tree),
 timed per round, its median taken. The table gives, per algorithm, the
@@ -41,7 +41,7 @@ PROJECT_LINE = re.compile(
     r'^\s*(?P<mode>tff|naive|bound)\s+(?P<algorithm>\S+)\s+(?P<clients>\d+) '
     r'clients:\s+(?P<seconds>[\d.]+) s/round \(rounds: (?P<rounds>[^)]*)\), '
     r'peak RSS\s+(?P<rss>\d+) MB')
-CONFIG = re.compile(r'^(\d+)x(\d+)$')
+CONFIG = re.compile(r'^(\d+)x(\d+)(?:\+(\d+))?$')
 SCAFFOLD_STORES = ('disk', 'memory')
 
 
@@ -69,21 +69,29 @@ def parse_pfl_output(text: str) -> dict:
   result = json.loads(lines[-1][len(PFL_RESULT_PREFIX):])
   return dict(side='pfl', algorithm=result['algorithm'],
               state_store=result.get('state_store'),
-              config=f'{result["processes"]}x{result["threads"]}',
+              config=config_name(result['processes'], result['threads'],
+                                 result.get('loader_workers', 0)),
               clients=result['clients'],
               seconds_per_round=result['seconds_per_round'],
               round_seconds=result['round_seconds'],
               peak_rss_mb=float(result['peak_rss_mb']))
 
 
-def parse_configs(text: str) -> list[tuple[int, int]]:
+def config_name(processes: int, threads: int, loader_workers: int) -> str:
+  return f'{processes}x{threads}' + (f'+{loader_workers}' if loader_workers
+                                     else '')
+
+
+def parse_configs(text: str) -> list[tuple[int, int, int]]:
+  """'PxT[+L]' items: P pfl processes x T torch threads each [+ L
+  DataLoader processes each making users' data ahead]."""
   configs = []
   for item in text.split(','):
     match = CONFIG.match(item.strip())
     if not match or min(int(match[1]), int(match[2])) < 1:
-      raise ValueError(f'--pfl_configs item {item!r} is not PROCESSESxTHREADS '
-                       '(e.g. 2x1)')
-    configs.append((int(match[1]), int(match[2])))
+      raise ValueError(f'--pfl_configs item {item!r} is not '
+                       'PROCESSESxTHREADS[+LOADERS] (e.g. 2x1, 1x1+1)')
+    configs.append((int(match[1]), int(match[2]), int(match[3] or 0)))
   return configs
 
 
@@ -166,7 +174,7 @@ def format_table(rows: list[dict], clients: int) -> str:
         f'{_cell(row["ratio"], ".2f")} | '
         f'{_cell(row["project_peak_rss_mb"], ".0f")} MB | '
         f'{row["pfl_peak_rss_mb"]:.0f} MB |')
-  lines += ['', '| pfl configuration (processes x threads) | ' + ' | '.join(
+  lines += ['', '| pfl configuration (processes x threads [+ loaders]) | ' + ' | '.join(
       row['name'] for row in rows) + ' |',
             '|---' * (len(rows) + 1) + '|']
   configs = sorted({c for row in rows for c in row['configs']})
@@ -212,8 +220,8 @@ def run_project(args, algorithms: list[str]) -> list[dict]:
   return records
 
 
-def run_pfl(args, algorithm: str, store: str, processes: int,
-            threads: int) -> dict:
+def run_pfl(args, algorithm: str, store: str, processes: int, threads: int,
+            loader_workers: int) -> dict:
   command = [args.pfl_python, os.path.join(HERE, 'pfl_benchmark.py'),
              f'--algorithm={algorithm}',
              f'--clients_per_round={args.clients_per_round}',
@@ -221,11 +229,12 @@ def run_pfl(args, algorithm: str, store: str, processes: int,
              f'--warmup_rounds={args.warmup_rounds}',
              f'--client_steps={args.client_steps}',
              f'--client_batch_size={args.client_batch_size}',
-             f'--processes={processes}', f'--threads={threads}']
+             f'--processes={processes}', f'--threads={threads}',
+             f'--loader_workers={loader_workers}']
   if store:
     command.append(f'--state_store={store}')
   record = parse_pfl_output(_run(command, 'pfl_benchmark.py'))
-  print(f'  pfl     {row_name(record):28s} {record["config"]:>4s} '
+  print(f'  pfl     {row_name(record):28s} {record["config"]:>6s} '
         f'{record["seconds_per_round"]:7.3f} s/round, peak RSS '
         f'{record["peak_rss_mb"]:.0f} MB', flush=True)
   return record
@@ -240,9 +249,11 @@ def parse_args(argv):
   parser.add_argument('--algorithms', default='fedavg,scaffold')
   parser.add_argument('--scaffold_stores', default='disk,memory',
                       help="pfl's SCAFFOLD c_i storage(s) to measure.")
-  parser.add_argument('--pfl_configs', default='1x1,1x2,2x1',
-                      help='pfl configurations PROCESSESxTHREADS to try; '
-                      'the table shows the fastest.')
+  parser.add_argument('--pfl_configs', default='1x1,1x2,2x1,1x1+1',
+                      help='pfl configurations to try, PROCESSESxTHREADS'
+                      '[+LOADERS] (pfl processes x torch threads each, + '
+                      'DataLoader processes each); the table shows the '
+                      'fastest.')
   parser.add_argument('--clients_per_round', type=int, default=100)
   parser.add_argument('--population', type=int, default=2000)
   parser.add_argument('--rounds', type=int, default=4,
@@ -275,7 +286,7 @@ def parse_args(argv):
     parser.error('--scaffold_stores must name disk and/or memory')
   if args.pairs < 1 or args.rounds < 1 or args.warmup_rounds < 1:
     parser.error('--pairs, --rounds and --warmup_rounds must be >= 1')
-  for processes, _ in args.pfl_configs:
+  for processes, _, _ in args.pfl_configs:
     if args.clients_per_round % processes:
       parser.error(f'--clients_per_round={args.clients_per_round} is not a '
                    f'multiple of {processes} pfl processes')
@@ -302,11 +313,11 @@ def main(argv=None) -> int:
     pair = dict(project=run_project(args, args.algorithms), pfl=[])
     for _, store in pfl_variants(args.algorithms, args.scaffold_stores):
       algorithm = 'scaffold' if store else 'fedavg'
-      for processes, threads in args.pfl_configs:
+      for processes, threads, loader_workers in args.pfl_configs:
         if store == 'memory' and processes > 1:
           continue  # pfl's in-memory user state is per process.
         pair['pfl'].append(run_pfl(args, algorithm, store, processes,
-                                   threads))
+                                   threads, loader_workers))
     pairs.append(pair)
   rows = summarize(pairs)
   print(f'\n{args.pairs} pair(s) in {time.perf_counter() - started:.0f} s; '

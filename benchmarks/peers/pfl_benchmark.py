@@ -71,6 +71,10 @@ def parse_args(argv):
                       'trains its share of the cohort.')
   parser.add_argument('--threads', type=int, default=0,
                       help='torch threads per process (0: cores / processes).')
+  parser.add_argument('--loader_workers', type=int, default=0,
+                      help='DataLoader processes per pfl process making the '
+                      "users' data ahead (pfl's PyTorchFederatedDataset); 0: "
+                      'made in line (FederatedDataset).')
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--check_fixture', default=None,
                       help='Math check: .npz of initial weights and data.')
@@ -91,8 +95,10 @@ def parse_args(argv):
     parser.error('--rounds and --warmup_rounds must be >= 1 (pfl evaluates '
                  'every client in round 0, which must stay untimed)')
   if min(args.clients_per_round, args.population, args.client_steps,
-         args.client_batch_size, args.processes) < 1 or args.threads < 0:
-    parser.error('sizes and --processes must be >= 1, --threads >= 0')
+         args.client_batch_size, args.processes) < 1 or min(
+             args.threads, args.loader_workers) < 0:
+    parser.error('sizes and --processes must be >= 1, --threads and '
+                 '--loader_workers >= 0')
   if args.clients_per_round > args.population:
     parser.error(f'--clients_per_round={args.clients_per_round} exceeds '
                  f'--population={args.population}')
@@ -176,7 +182,8 @@ def measure(args, argv) -> dict:
       algorithm=args.algorithm,
       state_store=args.state_store if args.algorithm == 'scaffold' else None,
       clients=args.clients_per_round, processes=args.processes,
-      threads=threads, seconds_per_round=statistics.median(timed),
+      threads=threads, loader_workers=args.loader_workers,
+      seconds_per_round=statistics.median(timed),
       round_seconds=round_seconds, peak_rss_mb=round(peak_rss),
       state_dir_mb=round(state_mb),
       wall_seconds=round(time.perf_counter() - started, 1))
@@ -337,14 +344,13 @@ def allow_pfl_states_in_torch_load() -> None:
   torch.serialization.add_safe_globals([MappedVectorStatistics])
 
 
-def run_pfl(algorithm, params, make_user_dataset, user_sampler, batch_size,
-            initial_weights=None, callbacks=()):
-  """Trains with pfl's simulator (`build_algorithm`'s algorithm)."""
+def run_pfl(algorithm, params, data, batch_size, initial_weights=None,
+            callbacks=()):
+  """Trains with pfl's simulator on the federated dataset `data`."""
   import torch  # pylint: disable=import-outside-toplevel
   allow_pfl_states_in_torch_load()
   from pfl.aggregate.simulate import SimulatedBackend  # pylint: disable=import-outside-toplevel
   from pfl.aggregate.weighting import WeightByDatapoints  # pylint: disable=import-outside-toplevel
-  from pfl.data.federated_dataset import FederatedDataset  # pylint: disable=import-outside-toplevel
   from pfl.hyperparam import NNTrainHyperParams  # pylint: disable=import-outside-toplevel
   from pfl.model.pytorch import PyTorchModel  # pylint: disable=import-outside-toplevel
   module = build_torch_model()
@@ -354,7 +360,6 @@ def run_pfl(algorithm, params, make_user_dataset, user_sampler, batch_size,
       model=module, local_optimizer_create=torch.optim.SGD,
       central_optimizer=torch.optim.SGD(module.parameters(),
                                         lr=SERVER_LEARNING_RATE))
-  data = FederatedDataset(make_user_dataset, user_sampler)
   # Example-weighted mean: every client's weight is the examples it
   # processed (its stream of K*B), as in the project's FedAvg.
   backend = SimulatedBackend(training_data=data, val_data=data,
@@ -368,28 +373,60 @@ def run_pfl(algorithm, params, make_user_dataset, user_sampler, batch_size,
                 model_train_params=train_params, callbacks=list(callbacks))
 
 
+class _UserStreams:
+  """A torch map-style dataset whose item `user_id` is that user's stream."""
+
+  def __init__(self, clients: ClientData, population: int):
+    self._clients, self._population = clients, population
+
+  def __len__(self):
+    return self._population
+
+  def __getitem__(self, user_id):
+    import torch  # pylint: disable=import-outside-toplevel
+    images, labels = self._clients.training_stream(int(user_id))
+    return {'images': torch.from_numpy(images),
+            'labels': torch.from_numpy(labels), 'user_id': str(user_id)}
+
+
+def loader_federated_dataset(clients, sampler, population, workers):
+  """pfl's PyTorchFederatedDataset: `workers` DataLoader processes make the
+  users' data ahead of training (pfl's way to parallelize preprocessing)."""
+  from pfl.data.pytorch import PyTorchFederatedDataset  # pylint: disable=import-outside-toplevel
+  # batch_size=None: a user's tensors come whole, not stacked into a batch
+  # of users.
+  return PyTorchFederatedDataset(_UserStreams(clients, population), sampler,
+                                 batch_size=None, num_workers=workers)
+
+
 def run_child(args) -> None:
   import numpy as np  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(threads_per_process(args))
   from pfl.data.dataset import Dataset  # pylint: disable=import-outside-toplevel
-  from pfl.internal.ops.selector import get_default_framework_module  # pylint: disable=import-outside-toplevel
-  from pfl.internal.ops import pytorch_ops  # pylint: disable=import-outside-toplevel,unused-import
-  rank = get_default_framework_module().distributed.global_rank
+  # Importing pfl's PyTorch model selects PyTorch as pfl's framework (and
+  # its distributed context), which the datasets below ask for.
+  import pfl.model.pytorch  # pylint: disable=import-outside-toplevel,unused-import
+  from pfl.internal.ops.selector import get_framework_module  # pylint: disable=import-outside-toplevel
+  rank = get_framework_module().distributed.global_rank
   torch.manual_seed(args.seed)  # The same initial model on every process.
   clients = ClientData(args, np.random.default_rng([args.seed, rank]))
 
-  def make_user_dataset(user_id):
-    return Dataset(clients.training_stream(user_id), user_id=str(user_id))
-
+  sampler = WithoutReplacementSampler(args.population, args.clients_per_round,
+                                      args.seed)
+  if args.loader_workers:
+    data = loader_federated_dataset(clients, sampler, args.population,
+                                    args.loader_workers)
+  else:
+    from pfl.data.federated_dataset import FederatedDataset  # pylint: disable=import-outside-toplevel
+    data = FederatedDataset(
+        lambda user_id: Dataset(clients.training_stream(user_id),
+                                user_id=str(user_id)), sampler)
   timer = round_timer()
   algorithm, params = build_algorithm(
       args.algorithm, args.population, args.clients_per_round,
       args.warmup_rounds + args.rounds, args.state_store, args.state_dir)
-  run_pfl(algorithm, params, make_user_dataset,
-          WithoutReplacementSampler(args.population, args.clients_per_round,
-                                    args.seed),
-          args.client_batch_size, callbacks=[timer])
+  run_pfl(algorithm, params, data, args.client_batch_size, callbacks=[timer])
   if rank == 0:
     print(ROUNDS_PREFIX + json.dumps(timer.seconds), flush=True)
 
@@ -460,6 +497,7 @@ def run_check(args) -> None:
   import torch  # pylint: disable=import-outside-toplevel
   from pfl.callback.base import TrainingProcessCallback  # pylint: disable=import-outside-toplevel
   from pfl.data.dataset import Dataset  # pylint: disable=import-outside-toplevel
+  from pfl.data.federated_dataset import FederatedDataset  # pylint: disable=import-outside-toplevel
   from pfl.metrics import Metrics  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(1)
   if args.check_swap_correction:
@@ -489,8 +527,9 @@ def run_check(args) -> None:
       return False, Metrics()
 
   try:
-    run_pfl(algorithm, params, lambda user_id: Dataset(data, user_id=user_id),
-            lambda: 'client0', batch_size,
+    run_pfl(algorithm, params,
+            FederatedDataset(lambda user_id: Dataset(data, user_id=user_id),
+                             lambda: 'client0'), batch_size,
             initial_weights=keras_to_torch(fixture), callbacks=[Recorder()])
   finally:
     import shutil  # pylint: disable=import-outside-toplevel
@@ -512,7 +551,9 @@ def main(argv=None) -> None:
     print(f'pfl {record["algorithm"]}'
           + (f' ({record["state_store"]} c_i)' if record['state_store'] else '')
           + f', {record["clients"]} clients, {record["processes"]} process(es)'
-          f' x {record["threads"]} thread(s): '
+          f' x {record["threads"]} thread(s)'
+          + (f' + {record["loader_workers"]} loader process(es)'
+             if record['loader_workers'] else '') + ': '
           f'{record["seconds_per_round"]:.3f} s/round (rounds: '
           + ', '.join(f'{s:.2f}' for s in record['round_seconds'])
           + f'), peak RSS {record["peak_rss_mb"]} MB, '
