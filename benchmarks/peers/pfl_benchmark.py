@@ -405,7 +405,7 @@ def run_child(args) -> None:
   torch.set_num_threads(threads_per_process(args))
   from pfl.data.dataset import Dataset  # pylint: disable=import-outside-toplevel
   # Importing pfl's PyTorch model selects PyTorch as pfl's framework (and
-  # its distributed context), which the datasets below ask for.
+  # its distributed context), which pfl's datasets read when built.
   import pfl.model.pytorch  # pylint: disable=import-outside-toplevel,unused-import
   from pfl.internal.ops.selector import get_framework_module  # pylint: disable=import-outside-toplevel
   rank = get_framework_module().distributed.global_rank
@@ -497,6 +497,7 @@ def run_check(args) -> None:
   import torch  # pylint: disable=import-outside-toplevel
   from pfl.callback.base import TrainingProcessCallback  # pylint: disable=import-outside-toplevel
   from pfl.data.dataset import Dataset  # pylint: disable=import-outside-toplevel
+  import pfl.model.pytorch  # pylint: disable=import-outside-toplevel,unused-import
   from pfl.data.federated_dataset import FederatedDataset  # pylint: disable=import-outside-toplevel
   from pfl.metrics import Metrics  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(1)
