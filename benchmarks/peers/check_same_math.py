@@ -64,10 +64,13 @@ def run_project(algorithm_name: str, fixture: dict) -> dict:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   import tensorflow_federated as tff  # pylint: disable=import-outside-toplevel
   from binaries import benchmark  # pylint: disable=import-outside-toplevel
+  from pipeline import tff_runtime  # pylint: disable=import-outside-toplevel
   from tasks import base  # pylint: disable=import-outside-toplevel
   from tasks import celeba  # pylint: disable=import-outside-toplevel
   from tff_algos import registry  # pylint: disable=import-outside-toplevel
   from tff_algos.config import AlgorithmConfig  # pylint: disable=import-outside-toplevel
+  # The project's TFF context, whose exit hooks stop TFF's worker process.
+  tff_runtime.configure_execution()
   population = int(fixture['population'])
   task = celeba.build_task(base.DataConfig(
       client_batch_size=BATCH_SIZE, client_steps=STEPS,
