@@ -35,6 +35,9 @@ ratio_naive_over_bound=<(b)/(c)>, the ceiling of (b)/(a) on this task since
   python -m binaries.benchmark --clients_per_round=100 \
       --sweep_clients=10,100,1000 --sweep_algorithms=fedavg,mixed_2wgt \
       --clients_per_subround=100 --rounds=3   # the README table
+  python -m binaries.benchmark --modes=tff --clients_per_round=100 \
+      --sweep_clients=100 --sweep_algorithms=scaffold  # (a) only: FedAvg and
+                                       # SCAFFOLD, as benchmarks/peers runs it
 """
 
 import concurrent.futures
@@ -90,6 +93,11 @@ _CLIENTS_PER_SUBROUND = flags.DEFINE_integer(
 _BOUND_THREADS = flags.DEFINE_integer(
     'bound_threads', 0,
     'Threads running (c)\'s clients concurrently (0: one per CPU).')
+_MODES = flags.DEFINE_list(
+    'modes', ['tff', 'naive', 'bound'],
+    'Which of (a) tff, (b) naive and (c) bound to measure, in the headline '
+    'and in the fedavg sweep (the other algorithms\' sweep is (a) only, so '
+    'it needs tff). The ratio lines need all three.')
 _QUICK = flags.DEFINE_boolean(
     'quick', False,
     'Small sizes (10 clients, 1 timed round, no sweep) to check the '
@@ -351,13 +359,20 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
                 round_seconds=seconds, peak_rss_mb=peak_rss,
                 peak_python_mb=peak_python, peak_workers_mb=peak_workers,
                 wall_seconds=time.perf_counter() - started)
-  print(f'  {mode:5s} {algorithm:10s} {clients:5d} clients: '
-        f'{record["seconds_per_round"]:8.3f} s/round (rounds: '
-        + ', '.join(f'{s:.2f}' for s in seconds) +
-        f'), peak RSS {peak_rss:6.0f} MB (Python {peak_python:.0f}, '
-        f'workers {peak_workers:.0f}), {record["wall_seconds"]:.0f} s wall',
-        flush=True)
+  print(format_measurement(record), flush=True)
   return record
+
+
+def format_measurement(record: dict) -> str:
+  """One measurement's line (benchmarks/peers/compare.py parses it)."""
+  return (f'  {record["mode"]:5s} {record["algorithm"]:10s} '
+          f'{record["clients"]:5d} clients: '
+          f'{record["seconds_per_round"]:8.3f} s/round (rounds: '
+          + ', '.join(f'{s:.2f}' for s in record['round_seconds']) +
+          f'), peak RSS {record["peak_rss_mb"]:6.0f} MB (Python '
+          f'{record["peak_python_mb"]:.0f}, workers '
+          f'{record["peak_workers_mb"]:.0f}), '
+          f'{record["wall_seconds"]:.0f} s wall')
 
 
 def _load() -> str:
@@ -378,6 +393,15 @@ def run_parent() -> None:
     raise UsageError('--clients_per_round and --sweep_clients must be >= 1')
   if _BOUND_THREADS.value < 0:
     raise UsageError(f'--bound_threads must be >= 0, got {_BOUND_THREADS.value}')
+  modes = [m for m in MODES if m in _MODES.value]
+  unknown = sorted(set(_MODES.value) - set(MODES))
+  if unknown or not modes:
+    raise UsageError(f'--modes={",".join(_MODES.value)} must name some of '
+                     f'{", ".join(MODES)}')
+  if 'tff' not in modes and any(a != 'fedavg' for a in _SWEEP_ALGORITHMS.value
+                                ) and sweep:
+    raise UsageError('the sweep of algorithms other than fedavg measures (a): '
+                     '--modes must include tff')
   if _POPULATION.value < largest:
     raise UsageError(f'--population={_POPULATION.value} is below the '
                      f'largest clients per round ({largest})')
@@ -388,11 +412,11 @@ def run_parent() -> None:
             f', driver sub-rounds of <= {_CLIENTS_PER_SUBROUND.value} clients'
             if _CLIENTS_PER_SUBROUND.value > 0 else ''), flush=True)
   headline = {mode: measure(mode, _CLIENTS_PER_ROUND.value)
-              for mode in MODES}
+              for mode in modes}
   records = list(headline.values())
   for algorithm in _SWEEP_ALGORITHMS.value:
     for clients in sweep:
-      for mode in MODES if algorithm == 'fedavg' else ('tff',):
+      for mode in modes if algorithm == 'fedavg' else ('tff',):
         if mode == 'naive' and clients > _NAIVE_MAX_CLIENTS.value:
           continue
         if algorithm == 'fedavg' and clients == _CLIENTS_PER_ROUND.value:
@@ -416,6 +440,8 @@ def run_parent() -> None:
                    f'({match[0]["peak_rss_mb"]:.0f})' if match else '-')
     print(f'| {clients} | ' + ' | '.join(cells) + ' |')
 
+  if len(modes) < len(MODES):
+    return  # The ratio lines compare all three.
   tff_s, naive_s, bound_s = (headline[m]['seconds_per_round'] for m in MODES)
   print(f'\n{_CLIENTS_PER_ROUND.value} clients/round: (a) TFF driver '
         f'{tff_s:.3f} s, (b) naive TFF {naive_s:.3f} s, (c) plain TF '

@@ -33,3 +33,22 @@ def test_negative_thread_count_is_one_clear_error():
   assert result.returncode == 2
   assert 'error: --bound_threads must be >= 0, got -1' in (
       result.stdout + result.stderr)
+
+
+def test_tff_mode_alone_prints_lines_the_peer_comparison_parses():
+  from benchmarks.peers import compare  # pylint: disable=import-outside-toplevel
+  result = run_binary('binaries.benchmark', '--quick', '--modes=tff',
+                      '--clients_per_round=3', '--population=6')
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = compare.parse_project_output(result.stdout)
+  assert [(r['algorithm'], r['clients']) for r in records] == [('fedavg', 3)]
+  assert records[0]['seconds_per_round'] > 0 and records[0]['peak_rss_mb'] > 0
+  assert not any(line.strip().startswith(('naive ', 'bound ', 'ratio_'))
+                 for line in result.stdout.splitlines())
+
+
+def test_unknown_mode_is_one_clear_error():
+  result = run_binary('binaries.benchmark', '--modes=tff,fast')
+  assert result.returncode == 2
+  assert 'error: --modes=tff,fast must name some of tff, naive, bound' in (
+      result.stdout + result.stderr)
