@@ -138,3 +138,34 @@ def run_planned_rounds(definition, task: base.Task, runtime: str,
                                plan.server_seed, seeds=plan.client_seeds)
     history.append((state, metrics))
   return history
+
+
+class StatefulRounds:
+  """Rounds of a definition that keeps client state, from chosen states.
+
+  The client states live in `directory` (one per process: the directory is
+  part of the compiled computations).
+  """
+
+  def __init__(self, definition, task: base.Task, runtime: str,
+               directory: str):
+    self.definition = definition
+    self.format = driver.state_format(definition, directory)
+    self.process = driver.compose_process(definition, task, runtime,
+                                          self.format)
+
+  def initial_client_state(self):
+    return tf.nest.map_structure(np.asarray,
+                                 self.definition.initial_client_state())
+
+  def start(self, client_states: Mapping[str, Any]) -> None:
+    """The clients start round 1 from `client_states` (id -> state)."""
+    write_client_states(self.format, client_states, version=0)
+
+  def next(self, state, client_ids: Sequence[str], round_num: int = 1):
+    """(state, the clients' new states, metrics) of round `round_num`; the
+    clients read the states of the round before."""
+    state, metrics = run_round(self.process, state, client_ids, round_num,
+                               versions=[round_num - 1] * len(client_ids))
+    return (state, [self.format.load(c, round_num) for c in client_ids],
+            metrics)

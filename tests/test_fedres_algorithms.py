@@ -61,22 +61,18 @@ def task(tmp_path_factory):
   return data.task(task)
 
 
-class Rounds:
-  """One variant's definition and its process on one runtime, with client
-  states in their own directory."""
+class Rounds(round_testing.StatefulRounds):
+  """One variant's rounds on one runtime, from this module's start."""
 
   def __init__(self, key, task, runtime, directory):
     name, option, _ = VARIANTS[key]
-    self.definition = registry.build(name, task, _settings(name, option))
-    self.format = driver.state_format(self.definition, directory)
-    self.process = driver.compose_process(self.definition, task, runtime,
-                                          self.format)
+    super().__init__(registry.build(name, task, _settings(name, option)),
+                     task, runtime, directory)
 
-  def start(self, uses_control, c=C, c_is=C_IS, clients=SAMPLED,
-            states_of=None):
-    """Server state at p = P0 (and c); clients' states THETAS (and c_is)
-    written as version 0 (`states_of`: client -> whose state it starts
-    from)."""
+  def start_at_p0(self, uses_control, c=C, c_is=C_IS, clients=SAMPLED,
+                  states_of=None):
+    """Server state at p = P0 (and c); the clients start from THETAS (and
+    c_is) (`states_of`: client -> whose state it starts from)."""
     state = round_lib.set_model_weights(
         self.process.initialize(),
         ModelWeights(trainable=ft.model_weights(P0), non_trainable=[]))
@@ -85,22 +81,13 @@ class Rounds:
     states = {}
     for client_id in clients:
       source = (states_of or {}).get(client_id, client_id)
-      client_state = tf.nest.map_structure(
-          np.asarray, self.definition.initial_client_state())
+      client_state = self.initial_client_state()
       client_state['local_model'] = ft.model_weights(P0, THETAS[source])[1]
       if uses_control:
         client_state['control'] = ft.model_weights(c_is[source])
       states[client_id] = client_state
-    round_testing.write_client_states(self.format, states, version=0)
+    self.start(states)
     return state
-
-  def next(self, state, clients=SAMPLED, round_num=1):
-    """(state, client states, metrics) of round `round_num`; the clients
-    read the states of the round before."""
-    state, metrics = round_testing.run_round(
-        self.process, state, clients, round_num,
-        versions=[round_num - 1] * len(clients))
-    return state, [self.format.load(c, round_num) for c in clients], metrics
 
 
 @pytest.fixture(scope='module')
@@ -127,9 +114,9 @@ def test_one_round_matches_numpy_reference(rounds, key):
   run = rounds(key)
   _, _, variant = VARIANTS[key]
   uses_control = key == 'avg2'
-  state = run.start(uses_control)
+  state = run.start_at_p0(uses_control)
 
-  new_state, client_states, metrics = run.next(state)
+  new_state, client_states, metrics = run.next(state, SAMPLED)
 
   expected = ft.reference_round(
       variant, P0, THETAS, {c: DATA[c] for c in SAMPLED}, ETA, LAMBDA,
@@ -176,8 +163,8 @@ def test_option2_with_zero_controls_is_option1(rounds):
   zeros = {k: np.zeros(3) for k in SAMPLED}
   option2, option1 = rounds('avg2'), rounds('avg1')
   new2, client_states2, _ = option2.next(
-      option2.start(True, np.zeros(3), zeros))
-  new1, client_states1, _ = option1.next(option1.start(False))
+      option2.start_at_p0(True, np.zeros(3), zeros), SAMPLED)
+  new1, client_states1, _ = option1.next(option1.start_at_p0(False), SAMPLED)
   np.testing.assert_allclose(_flat(new2['global_model_weights'].trainable),
                              _flat(new1['global_model_weights'].trainable),
                              **TOLERANCE)
@@ -190,7 +177,8 @@ def test_client_without_data_keeps_its_state(rounds):
   run = rounds('avg2')
   # Client '0' without its data: the client WITHOUT_DATA, in '0''s state.
   clients = (WITHOUT_DATA, '1')
-  state = run.start(True, clients=clients, states_of={WITHOUT_DATA: '0'})
+  state = run.start_at_p0(True, clients=clients,
+                          states_of={WITHOUT_DATA: '0'})
   new_state, client_states, metrics = run.next(state, clients)
   np.testing.assert_allclose(_flat(client_states[0]['local_model']),
                              THETAS['0'], **TOLERANCE)
@@ -214,9 +202,9 @@ def test_native_rounds_match_tff_process(rounds, key):
   results = {}
   for runtime in ('tff', 'native'):
     run = rounds(key, runtime)
-    state = run.start(uses_control)
+    state = run.start_at_p0(uses_control)
     for round_num in (1, 2):
-      state, client_states, metrics = run.next(state, round_num=round_num)
+      state, client_states, metrics = run.next(state, SAMPLED, round_num)
     results[runtime] = (state, client_states, metrics)
   (state, client_states, metrics), (native_state, native_client_states,
                                     native_metrics) = (results['tff'],
