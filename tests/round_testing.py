@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from pipeline import driver
 from tasks import base
+from tff_algos.algorithms import registry
 from tff_algos.algorithms import round as round_lib
 from tff_algos.runtime import client_states
 from tff_algos.runtime import cohort
@@ -169,3 +170,11 @@ class StatefulRounds:
                                versions=[round_num - 1] * len(client_ids))
     return (state, [self.format.load(c, round_num) for c in client_ids],
             metrics)
+
+
+def settings_of(name: str, **values):
+  """Algorithm `name`'s settings, from those of `values` it has (so one set
+  of values serves several algorithms)."""
+  settings_class = registry.settings_class(name)
+  fields = {f.name for f in dataclasses.fields(settings_class)}
+  return settings_class(**{k: v for k, v in values.items() if k in fields})

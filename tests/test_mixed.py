@@ -151,13 +151,10 @@ HP_EQUIVALENT = dict(eta=0.1, eta_c=0.1, eta_s=1.0, eta_m=1.0, w_f=0.6,
 
 def settings_from(name, hp, **kwargs):
   """`name`'s settings with the hyperparameters `hp` (those it has)."""
-  settings_class = mixed.SETTINGS[name]
-  values = dict(
-      client_learning_rate=hp['eta'], central_learning_rate=hp['eta_c'],
+  return round_testing.settings_of(
+      name, client_learning_rate=hp['eta'], central_learning_rate=hp['eta_c'],
       server_learning_rate=hp['eta_s'], merge_learning_rate=hp['eta_m'],
       federated_weight=hp['w_f'], central_weight=hp['w_c'], **kwargs)
-  fields = {f.name for f in dataclasses.fields(settings_class)}
-  return settings_class(**{k: v for k, v in values.items() if k in fields})
 
 
 def linear_task(client_steps, central_loss_fn=None) -> base.Task:
