@@ -348,7 +348,7 @@ def build_algorithm(task: task_base.Task):
   try:
     return algorithm_registry.build(FLAGS.algorithm, task, settings)
   except settings_lib.SettingError as e:
-    raise UsageError(f'--{e.name} {e.problem}') from e
+    raise UsageError(f'--{e}') from e
 
 
 def algorithm_settings(algorithm: str):
@@ -362,4 +362,4 @@ def algorithm_settings(algorithm: str):
     return settings_class(**{f.name: FLAGS[f.name].value
                              for f in dataclasses.fields(settings_class)})
   except settings_lib.SettingError as e:
-    raise UsageError(f'--{e.name} {e.problem}') from e
+    raise UsageError(f'--{e}') from e

@@ -6,16 +6,21 @@ each local step adds mu * (w - w^t) to the gradient. TFF 0.87's
 algorithm with -mu, so a fix upstream fails this test and can be adopted.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algos import baselines_native
-from tff_algos import fedprox
-from tff_algos import registry
-from tff_algos.config import AlgorithmConfig
+from pipeline import driver
+from tasks import base
+from tff_algos.algorithms import keras_model
+from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms import settings as settings_lib
+from tff_algos.algorithms.baselines import definition as baselines
 
+import round_testing
 import test_native_runtime
 
 # One round by hand: y = w * x, squared error, w^t = 0.5, two clients of two
@@ -54,17 +59,24 @@ def test_hand_computation_written_out():
   assert hand_computed_round(-MU) == pytest.approx(0.745, abs=1e-12)
 
 
-def _model_fn():
-  keras_model = tf.keras.Sequential([
+def _keras_model():
+  return tf.keras.Sequential([
       tf.keras.layers.InputLayer(input_shape=(1,)),
       tf.keras.layers.Dense(1, use_bias=False,
                             kernel_initializer=tf.keras.initializers.Constant(
                                 W0)),
   ])
+
+
+BATCH_SPEC = (tf.TensorSpec([None, 1], tf.float32),
+              tf.TensorSpec([None, 1], tf.float32))
+CLIENT_IDS = ('A', 'B')
+
+
+def _model_fn():
   return tff.learning.models.from_keras_model(
-      keras_model, loss=tf.keras.losses.MeanSquaredError(),
-      input_spec=(tf.TensorSpec([None, 1], tf.float32),
-                  tf.TensorSpec([None, 1], tf.float32)))
+      _keras_model(), loss=tf.keras.losses.MeanSquaredError(),
+      input_spec=BATCH_SPEC)
 
 
 def _client_datasets():
@@ -74,31 +86,58 @@ def _client_datasets():
           for examples in CLIENT_EXAMPLES]
 
 
-def _one_round(algorithm, runtime):
+@pytest.fixture(scope='module')
+def two_client_task(tmp_path_factory):
+  """Clients 'A' and 'B' train on `_client_datasets()`."""
+  data = round_testing.FileData(tmp_path_factory.mktemp('fedprox_data'),
+                                BATCH_SPEC)
+  for client_id, dataset in zip(CLIENT_IDS, _client_datasets()):
+    data.set_client(client_id, dataset)
+  return data.task(base.Task(
+      name='two_clients', train_client_ids=CLIENT_IDS,
+      client_dataset_computation=None, keras_model_fn=_keras_model,
+      loss_fn=tf.keras.losses.MeanSquaredError, metrics_fn=list,
+      batch_spec=BATCH_SPEC, eval_datasets_fn=dict, serving=None))
+
+
+def _one_round(definition, task, runtime):
   """(server state, metrics) after one round from the model's initial w."""
-  if runtime == 'native':
-    rounds = algorithm.native_process_fn()
-    state, _, metrics = rounds.next(rounds.initialize(), _client_datasets(),
-                                    None)
-  else:
-    state, _, metrics = algorithm.process.next(
-        algorithm.process.initialize(), _client_datasets())
-  return state, metrics
+  process = driver.compose_process(definition, task, runtime)
+  return round_testing.run_round(process, process.initialize(), CLIENT_IDS)
+
+
+def _settings(mu):
+  return baselines.FedProxSettings(client_learning_rate=ETA,
+                                   server_learning_rate=1.0,
+                                   proximal_strength=mu)
 
 
 def _fedprox(mu):
-  return registry.build_algorithm('fedprox', _model_fn, AlgorithmConfig(
-      client_learning_rate=ETA, server_learning_rate=1.0,
-      proximal_strength=mu))
+  return baselines.fedprox(_model_fn, _settings(mu))
+
+
+def _fedprox_with_any_strength(mu):
+  """FedProx with strength `mu`, negative too (its settings refuse one)."""
+
+  def proximal_gradient(trainable, server_trainable):
+    return tf.nest.map_structure(lambda w, w_server: mu * (w - w_server),
+                                 trainable, server_trainable)
+
+  return dataclasses.replace(
+      _fedprox(0.0), client_work=baselines.model_delta_work(
+          settings_lib.optimizer('sgd', ETA),
+          tff.learning.ClientWeighting.NUM_EXAMPLES,
+          keras_model.model_info(_model_fn), gradient_term=proximal_gradient))
 
 
 def _kernel(state):
-  return float(np.asarray(state.global_model_weights.trainable[0]).item())
+  return float(np.asarray(
+      round_lib.get_model_weights(state).trainable[0]).item())
 
 
 @pytest.mark.parametrize('runtime', ['tff', 'native'])
-def test_one_round_matches_hand_computation(runtime):
-  state, metrics = _one_round(_fedprox(MU), runtime)
+def test_one_round_matches_hand_computation(two_client_task, runtime):
+  state, metrics = _one_round(_fedprox(MU), two_client_task, runtime)
   assert _kernel(state) == pytest.approx(hand_computed_round(MU), abs=1e-6)
   # Losses before each step: (0.5-2)^2, (1.6-3)^2, (0.5-0)^2, (-0.4-1)^2.
   assert float(metrics['train']['loss']) == pytest.approx(
@@ -106,28 +145,28 @@ def test_one_round_matches_hand_computation(runtime):
   assert int(metrics['train']['num_examples']) == 4
 
 
-def test_tff_fed_prox_is_the_algorithm_with_negated_strength():
+def test_tff_fed_prox_is_the_algorithm_with_negated_strength(
+    two_client_task):
   """TFF 0.87's builder adds mu * (w^t - w): FedProx with -mu.
 
   If this fails after a TFF upgrade, TFF may have fixed the sign: compare
-  its builder with `fedprox.build_weighted_fed_prox` at +mu and switch.
+  its builder with `baselines.fedprox` at +mu and switch.
   """
-  optimizers = dict(
+  tff_process = tff.learning.algorithms.build_weighted_fed_prox(
+      _model_fn, proximal_strength=MU,
       client_optimizer_fn=tff.learning.optimizers.build_sgdm(ETA),
       server_optimizer_fn=tff.learning.optimizers.build_sgdm(1.0),
       client_weighting=tff.learning.ClientWeighting.NUM_EXAMPLES,
-      loop_implementation=baselines_native.LOOP)
-  tff_process = tff.learning.algorithms.build_weighted_fed_prox(
-      _model_fn, proximal_strength=MU, **optimizers)
+      loop_implementation=tff.learning.LoopImplementation.DATASET_ITERATOR)
   tff_state = tff_process.next(tff_process.initialize(),
                                _client_datasets()).state
-  negated = fedprox.build_weighted_fed_prox(_model_fn, proximal_strength=-MU,
-                                            **optimizers)
-  negated_state = negated.next(negated.initialize(), _client_datasets()).state
-  assert _kernel(tff_state) == pytest.approx(hand_computed_round(-MU),
-                                             abs=1e-6)
-  assert _kernel(tff_state) == pytest.approx(_kernel(negated_state), abs=1e-7)
-  assert abs(_kernel(tff_state) - hand_computed_round(MU)) > 5e-3
+  negated_state, _ = _one_round(_fedprox_with_any_strength(-MU),
+                                two_client_task, 'tff')
+  tff_kernel = float(np.asarray(
+      tff_state.global_model_weights.trainable[0]).item())
+  assert tff_kernel == pytest.approx(hand_computed_round(-MU), abs=1e-6)
+  assert tff_kernel == pytest.approx(_kernel(negated_state), abs=1e-7)
+  assert abs(tff_kernel - hand_computed_round(MU)) > 5e-3
 
 
 @pytest.fixture(scope='module')
@@ -135,19 +174,26 @@ def task():
   return test_native_runtime.tiny_task(client_steps=3)
 
 
+def _settings_of(settings_class, proximal_strength=None):
+  values = dict(client_learning_rate=0.3, server_optimizer='adam',
+                server_learning_rate=0.05)
+  if proximal_strength is not None:
+    values['proximal_strength'] = proximal_strength
+  return settings_class(**values)
+
+
 @pytest.mark.parametrize('runtime', ['tff', 'native'])
 def test_zero_proximal_strength_equals_fedavg_exactly(task, runtime):
   # Clients of unequal sizes and shuffled batches, a non-SGD server
   # optimizer, two rounds: every state and metric value bit for bit.
-  config = AlgorithmConfig(client_learning_rate=0.3, server_optimizer='adam',
-                           server_learning_rate=0.05, proximal_strength=0.0)
-  histories = [
-      test_native_runtime.run_rounds(
-          registry.build_algorithm(name, task.model_fn, config), task,
-          runtime)
-      for name in ('fedavg', 'fedprox')]
-  fedavg, fedprox_at_zero = histories
-  for (state_a, _, metrics_a), (state_p, _, metrics_p) in zip(
+  fedavg, fedprox_at_zero = [
+      round_testing.run_planned_rounds(definition, task, runtime)
+      for definition in (
+          baselines.fedavg(task.model_fn,
+                           _settings_of(baselines.FedAvgSettings)),
+          baselines.fedprox(task.model_fn,
+                            _settings_of(baselines.FedProxSettings, 0.0)))]
+  for (state_a, metrics_a), (state_p, metrics_p) in zip(
       fedavg, fedprox_at_zero, strict=True):
     tf.nest.assert_same_structure(state_a, state_p)
     for a, p in zip(tf.nest.flatten(state_a), tf.nest.flatten(state_p)):
@@ -155,13 +201,10 @@ def test_zero_proximal_strength_equals_fedavg_exactly(task, runtime):
     for a, p in zip(tf.nest.flatten(metrics_a), tf.nest.flatten(metrics_p)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(p))
   # The proximal term is active otherwise.
-  with_term = test_native_runtime.run_rounds(
-      registry.build_algorithm('fedprox', task.model_fn,
-                               AlgorithmConfig(client_learning_rate=0.3,
-                                               server_optimizer='adam',
-                                               server_learning_rate=0.05,
-                                               proximal_strength=1.0)),
+  with_term = round_testing.run_planned_rounds(
+      baselines.fedprox(task.model_fn,
+                        _settings_of(baselines.FedProxSettings, 1.0)),
       task, runtime)
   assert not np.array_equal(
-      with_term[-1][0].global_model_weights.trainable[0],
-      fedavg[-1][0].global_model_weights.trainable[0])
+      round_lib.get_model_weights(with_term[-1][0]).trainable[0],
+      round_lib.get_model_weights(fedavg[-1][0]).trainable[0])

@@ -5,19 +5,19 @@ global/local feature split, clients of different sizes (K_i = 2 and 3), non-zero
 starting theta_i, c and c_i, and 2 of N = 3 clients sampled (|S|/N rule).
 """
 
-import collections
-
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
 import fedres_testing as ft
-from pipeline import client_store
-from tff_algos import fedres_eval
-from tff_algos import fedres_native
-from tff_algos import registry
-from tff_algos.config import AlgorithmConfig
+import round_testing
+from pipeline import driver
+from tff_algos.algorithms import registry
+from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms.fedres import definition as fedres
+from tff_algos.algorithms.fedres import evaluation as fedres_eval
+from tff_algos.runtime import client_states as client_states_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 ETA, LAMBDA, ALPHA = 0.05, 0.1, 0.5
@@ -27,6 +27,8 @@ C = np.array([0.1, 0.2, -0.1])
 C_IS = {'0': np.array([0.3, -0.1, 0.2]), '1': np.array([-0.2, 0.1, 0.05])}
 DATA = ft.client_data()  # Clients '0', '1', '2' with 4, 6, 2 examples.
 SAMPLED = ('0', '1')
+# A client with client '0''s starting state and no data.
+WITHOUT_DATA = '0_without_data'
 # key -> (algorithm, fedres_option, reference variant)
 VARIANTS = {
     'naive': ('fedres_naive', 1, 'naive'),
@@ -37,40 +39,70 @@ VARIANTS = {
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
-def _config(option=1, local_learning_rate=LAMBDA):
-  return AlgorithmConfig(client_learning_rate=ETA,
-                         local_learning_rate=local_learning_rate,
-                         fedres_option=option, fedres_alpha=ALPHA)
+def _settings(name, option=1, local_learning_rate=LAMBDA):
+  if name == 'fedres_avg':
+    return fedres.FedResAvgSettings(
+        client_learning_rate=ETA, local_learning_rate=local_learning_rate,
+        fedres_option=option, fedres_alpha=ALPHA)
+  return fedres.FedResSettings(client_learning_rate=ETA,
+                               local_learning_rate=local_learning_rate)
 
 
 @pytest.fixture(scope='module')
-def task():
-  return ft.linear_task(DATA)
+def task(tmp_path_factory):
+  """The linear task; clients train on their unshuffled batches."""
+  task = ft.linear_task(DATA)
+  data = round_testing.FileData(tmp_path_factory.mktemp('fedres_data'),
+                                task.batch_spec)
+  for client_id, (x, y) in DATA.items():
+    data.set_client(client_id, ft.unshuffled_batches(x, y))
+  x, y = DATA['0']
+  data.set_client(WITHOUT_DATA, ft.unshuffled_batches(x[:0], y[:0]))
+  return data.task(task)
 
 
-@pytest.fixture(scope='module')
-def algorithms(task):
-  return {key: registry.build_algorithm(name, task.model_fn, _config(option),
-                                        task=task)
-          for key, (name, option, _) in VARIANTS.items()}
+class Rounds(round_testing.StatefulRounds):
+  """One variant's rounds on one runtime, from this module's start."""
 
+  def __init__(self, key, task, runtime, directory):
+    name, option, _ = VARIANTS[key]
+    super().__init__(registry.build(name, task, _settings(name, option)),
+                     task, runtime, directory)
 
-def _start(algorithm, uses_control, c=C, c_is=C_IS, clients=SAMPLED):
-  """Server state at p = P0 (and c); client inputs with THETAS (and c_is)."""
-  state = algorithm.set_model_weights(
-      algorithm.process.initialize(),
-      ModelWeights(trainable=ft.model_weights(P0), non_trainable=[]))
-  if uses_control:
-    state['control'] = ft.model_weights(c)
-  client_inputs = []
-  for client_id in clients:
-    client_state = algorithm.client_state_fn()
-    client_state['local_model'] = ft.model_weights(P0, THETAS[client_id])[1]
+  def start_at_p0(self, uses_control, c=C, c_is=C_IS, clients=SAMPLED,
+                  states_of=None):
+    """Server state at p = P0 (and c); the clients start from THETAS (and
+    c_is) (`states_of`: client -> whose state it starts from)."""
+    state = round_lib.set_model_weights(
+        self.process.initialize(),
+        ModelWeights(trainable=ft.model_weights(P0), non_trainable=[]))
     if uses_control:
-      client_state['control'] = ft.model_weights(c_is[client_id])
-    client_inputs.append(collections.OrderedDict(
-        data=ft.unshuffled_batches(*DATA[client_id]), state=client_state))
-  return state, client_inputs
+      state['control'] = ft.model_weights(c)
+    states = {}
+    for client_id in clients:
+      source = (states_of or {}).get(client_id, client_id)
+      client_state = self.initial_client_state()
+      client_state['local_model'] = ft.model_weights(P0, THETAS[source])[1]
+      if uses_control:
+        client_state['control'] = ft.model_weights(c_is[source])
+      states[client_id] = client_state
+    self.start(states)
+    return state
+
+
+@pytest.fixture(scope='module')
+def rounds(task, tmp_path_factory):
+  """(key, runtime) -> Rounds, built on first use."""
+  built = {}
+
+  def get(key, runtime='tff'):
+    if (key, runtime) not in built:
+      built[key, runtime] = Rounds(
+          key, task, runtime,
+          tmp_path_factory.mktemp(f'states_{key}_{runtime}'))
+    return built[key, runtime]
+
+  return get
 
 
 def _flat(weights):
@@ -78,13 +110,13 @@ def _flat(weights):
 
 
 @pytest.mark.parametrize('key', list(VARIANTS))
-def test_one_round_matches_numpy_reference(algorithms, key):
-  algorithm = algorithms[key]
+def test_one_round_matches_numpy_reference(rounds, key):
+  run = rounds(key)
   _, _, variant = VARIANTS[key]
   uses_control = key == 'avg2'
-  state, client_inputs = _start(algorithm, uses_control)
+  state = run.start_at_p0(uses_control)
 
-  new_state, outputs, metrics = algorithm.process.next(state, client_inputs)
+  new_state, client_states, metrics = run.next(state, SAMPLED)
 
   expected = ft.reference_round(
       variant, P0, THETAS, {c: DATA[c] for c in SAMPLED}, ETA, LAMBDA,
@@ -92,14 +124,14 @@ def test_one_round_matches_numpy_reference(algorithms, key):
       c=C if uses_control else None, c_is=C_IS if uses_control else None,
       num_train_clients=3)
   np.testing.assert_allclose(
-      _flat(algorithm.get_model_weights(new_state).trainable), expected['p'],
+      _flat(round_lib.get_model_weights(new_state).trainable), expected['p'],
       **TOLERANCE)
-  for client_id, output in zip(SAMPLED, outputs):
+  for client_id, client_state in zip(SAMPLED, client_states):
     reference = expected['clients'][client_id]
-    np.testing.assert_allclose(_flat(output['state']['local_model']),
+    np.testing.assert_allclose(_flat(client_state['local_model']),
                                reference['theta'], **TOLERANCE)
     if uses_control:
-      np.testing.assert_allclose(_flat(output['state']['control']),
+      np.testing.assert_allclose(_flat(client_state['control']),
                                  reference['c_i'], **TOLERANCE)
   if uses_control:
     np.testing.assert_allclose(_flat(new_state['control']), expected['c'],
@@ -125,32 +157,32 @@ def test_reference_variants_differ():
       assert np.abs(rounds[a] - rounds[b]).max() > 1e-3, (a, b)
 
 
-def test_option2_with_zero_controls_is_option1(algorithms):
+def test_option2_with_zero_controls_is_option1(rounds):
   # With c = c_i = 0, Option II's first round is Option I's (the controls
   # only differ from zero afterwards).
   zeros = {k: np.zeros(3) for k in SAMPLED}
-  state2, inputs2 = _start(algorithms['avg2'], True, np.zeros(3), zeros)
-  state1, inputs1 = _start(algorithms['avg1'], False)
-  new2, outputs2, _ = algorithms['avg2'].process.next(state2, inputs2)
-  new1, outputs1, _ = algorithms['avg1'].process.next(state1, inputs1)
+  option2, option1 = rounds('avg2'), rounds('avg1')
+  new2, client_states2, _ = option2.next(
+      option2.start_at_p0(True, np.zeros(3), zeros), SAMPLED)
+  new1, client_states1, _ = option1.next(option1.start_at_p0(False), SAMPLED)
   np.testing.assert_allclose(_flat(new2['global_model_weights'].trainable),
                              _flat(new1['global_model_weights'].trainable),
                              **TOLERANCE)
-  for out1, out2 in zip(outputs1, outputs2):
-    np.testing.assert_allclose(_flat(out2['state']['local_model']),
-                               _flat(out1['state']['local_model']),
-                               **TOLERANCE)
+  for state1, state2 in zip(client_states1, client_states2):
+    np.testing.assert_allclose(_flat(state2['local_model']),
+                               _flat(state1['local_model']), **TOLERANCE)
 
 
-def test_client_without_data_keeps_its_state(algorithms):
-  algorithm = algorithms['avg2']
-  state, client_inputs = _start(algorithm, True)
-  x, y = DATA['0']
-  client_inputs[0]['data'] = ft.unshuffled_batches(x[:0], y[:0])
-  new_state, outputs, metrics = algorithm.process.next(state, client_inputs)
-  np.testing.assert_allclose(_flat(outputs[0]['state']['local_model']),
+def test_client_without_data_keeps_its_state(rounds):
+  run = rounds('avg2')
+  # Client '0' without its data: the client WITHOUT_DATA, in '0''s state.
+  clients = (WITHOUT_DATA, '1')
+  state = run.start_at_p0(True, clients=clients,
+                          states_of={WITHOUT_DATA: '0'})
+  new_state, client_states, metrics = run.next(state, clients)
+  np.testing.assert_allclose(_flat(client_states[0]['local_model']),
                              THETAS['0'], **TOLERANCE)
-  np.testing.assert_allclose(_flat(outputs[0]['state']['control']), C_IS['0'],
+  np.testing.assert_allclose(_flat(client_states[0]['control']), C_IS['0'],
                              **TOLERANCE)
   # Client '0' uploads a zero delta that still counts in the uniform mean.
   expected = ft.reference_round('avg', P0, THETAS, {'1': DATA['1']}, ETA,
@@ -165,24 +197,18 @@ def test_client_without_data_keeps_its_state(algorithms):
 
 
 @pytest.mark.parametrize('key', ['naive', 'avg2'])
-def test_in_process_rounds_match_tff_process(algorithms, task, key):
-  name, option, _ = VARIANTS[key]
-  algorithm = algorithms[key]
-  in_process = fedres_native.InProcessRounds(name.split('_')[1], task,
-                                             _config(option))
+def test_native_rounds_match_tff_process(rounds, key):
   uses_control = key == 'avg2'
-  state, client_inputs = _start(algorithm, uses_control)
-  native_state = tf.nest.map_structure(np.asarray, state)
-  client_states = [i['state'] for i in client_inputs]
-  native_client_states = client_states
-  datasets = [i['data'] for i in client_inputs]
-  for _ in range(2):
-    state, outputs, metrics = algorithm.process.next(state, [
-        collections.OrderedDict(data=d, state=s)
-        for d, s in zip(datasets, client_states)])
-    client_states = [o['state'] for o in outputs]
-    native_state, native_client_states, native_metrics = in_process.next(
-        native_state, datasets, native_client_states)
+  results = {}
+  for runtime in ('tff', 'native'):
+    run = rounds(key, runtime)
+    state = run.start_at_p0(uses_control)
+    for round_num in (1, 2):
+      state, client_states, metrics = run.next(state, SAMPLED, round_num)
+    results[runtime] = (state, client_states, metrics)
+  (state, client_states, metrics), (native_state, native_client_states,
+                                    native_metrics) = (results['tff'],
+                                                       results['native'])
   tf.nest.map_structure(
       lambda a, b: np.testing.assert_allclose(a, b, **TOLERANCE),
       (state, client_states), (native_state, native_client_states))
@@ -191,18 +217,22 @@ def test_in_process_rounds_match_tff_process(algorithms, task, key):
 
 
 @pytest.mark.parametrize('fit_unseen', [False, True])
-def test_personalized_evaluation_uses_each_clients_theta(task, fit_unseen):
+def test_personalized_evaluation_uses_each_clients_theta(task, tmp_path,
+                                                        fit_unseen):
   # Client '0' has a stored theta; '1' and '2' were never sampled: they use
   # the initial theta (0), or with fit_unseen the theta Step 1 fits on their
   # train batches (w fixed).
   evaluator = fedres_eval.PersonalizedEvaluator(
       task.residual_spec, task.personal_eval_data, LAMBDA, fit_unseen, seed=5)
   algorithm_state = {'local_model': ft.model_weights(P0, THETAS['0'])[1]}
-  store = client_store.ClientStateStore(
-      lambda: {'local_model': [np.zeros((2, 1), np.float32)]})
-  store.write(1, ['0'], [algorithm_state])
+  state_format = driver.state_format(
+      registry.build('fedres_naive', task, _settings('fedres_naive')),
+      tmp_path)
+  round_testing.write_client_states(state_format, {'0': algorithm_state}, 1)
+  index = client_states_lib.StateIndex(task.train_client_ids)
+  index.commit([index.position('0')], 1)
+  store = client_states_lib.ClientStates(state_format, index)
   results = evaluator(ft.model_weights(P0), store, lambda s: s['local_model'])
-  store.close()
 
   squared_errors = []
   for client_id, (x, y) in DATA.items():

@@ -1,7 +1,7 @@
 """FedRes through the driver: personalized evaluation, export, serving, resume.
 
 fedres_logistic (linear softmax, x_g = x_l = x), FedResAvg-II, 4 of 10 clients
-per round, client states in the SQLite store.
+per round, client states in the run's client-state files.
 """
 
 import csv
@@ -14,18 +14,19 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline import client_store
 from pipeline import driver
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import fedres_synthetic
-from tff_algos import fedres_export
-from tff_algos import registry
-from tff_algos.config import AlgorithmConfig
+from tff_algos.algorithms import registry
+from tff_algos.algorithms import settings as settings_lib
+from tff_algos.algorithms.fedres import definition as fedres
+from tff_algos.algorithms.fedres import export as fedres_export
+from tff_algos.runtime import client_states
 
 CLIENTS_PER_ROUND = 4
-CONFIG = AlgorithmConfig(client_learning_rate=0.1, local_learning_rate=0.2,
-                         fedres_option=2)
+SETTINGS = fedres.FedResAvgSettings(client_learning_rate=0.1,
+                                    local_learning_rate=0.2, fedres_option=2)
 
 
 @pytest.fixture(scope='module')
@@ -37,15 +38,14 @@ def task():
 
 @pytest.fixture(scope='module')
 def algorithm(task):
-  return registry.build_algorithm('fedres_avg', task.model_fn, CONFIG,
-                                  task=task)
+  return registry.build('fedres_avg', task, SETTINGS)
 
 
 def _run_config(root, rounds, name='run', export=True):
   return driver.RunConfig(
       root_output_dir=str(root), experiment_name=name, total_rounds=rounds,
       clients_per_round=CLIENTS_PER_ROUND, rounds_per_checkpoint=1,
-      client_state_store='sqlite', export=export)
+      export=export)
 
 
 @pytest.fixture(scope='module')
@@ -61,14 +61,11 @@ def _sampled_clients(task, rounds):
       0, r, len(ids), CLIENTS_PER_ROUND).client_indices}
 
 
-def _stored_thetas(run_dir):
-  store = client_store.ClientStateStore(
-      lambda: {'local_model': [np.zeros((10, 2), np.float32)],
-               'control': [np.zeros((10, 2), np.float32)]},
-      'sqlite', os.path.join(run_dir, 'client_states.sqlite'))
-  states = dict(store.items())
-  store.close()
-  return states
+def _stored_thetas(algorithm, task, run_dir):
+  """Client id -> state, of every client the run's last checkpoint has a
+  state for."""
+  return dict(driver.committed_client_states(algorithm, task,
+                                             run_dir).items())
 
 
 def _softmax(logits):
@@ -87,7 +84,8 @@ def _numpy_personal_loss(task, w, thetas):
   return float(np.mean(losses))
 
 
-def test_metrics_have_personalized_beside_global_eval(two_round_run, task):
+def test_metrics_have_personalized_beside_global_eval(two_round_run, task,
+                                                      algorithm):
   root, result = two_round_run
   with open(os.path.join(root, 'run', 'metrics.csv')) as f:
     rows = list(csv.DictReader(f))
@@ -103,7 +101,8 @@ def test_metrics_have_personalized_beside_global_eval(two_round_run, task):
   # the stored theta_i (unseen clients: the zero initial theta).
   w = np.asarray(result.model_weights.trainable[0])
   thetas = {c: s['local_model'][0] for c, s in
-            _stored_thetas(os.path.join(root, 'run')).items()}
+            _stored_thetas(algorithm, task,
+                           os.path.join(root, 'run')).items()}
   assert set(thetas) == seen
   np.testing.assert_allclose(float(last['eval_personalized/loss']),
                              _numpy_personal_loss(task, w, thetas), rtol=1e-4)
@@ -111,11 +110,12 @@ def test_metrics_have_personalized_beside_global_eval(two_round_run, task):
                              _numpy_personal_loss(task, w, {}), rtol=1e-4)
 
 
-def test_export_serves_each_clients_personalized_model(two_round_run, task):
+def test_export_serves_each_clients_personalized_model(two_round_run, task,
+                                                       algorithm):
   root, result = two_round_run
   export_dir = os.path.join(root, 'run', 'export')
   assert os.path.isfile(os.path.join(export_dir, 'saved_model.pb'))
-  thetas = _stored_thetas(os.path.join(root, 'run'))
+  thetas = _stored_thetas(algorithm, task, os.path.join(root, 'run'))
   with sqlite3.connect(os.path.join(export_dir,
                                     fedres_export.LOCAL_MODELS_FILE)) as db:
     exported = {r[0] for r in db.execute('SELECT client_id FROM local_models')}
@@ -150,8 +150,9 @@ def test_resumed_run_equals_uninterrupted_run(two_round_run, tmp_path, task,
     np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(resumed.server_state['control'][0],
                                 straight.server_state['control'][0])
-  resumed_states = _stored_thetas(os.path.join(root, 'run'))
-  straight_states = _stored_thetas(os.path.join(tmp_path, 'run'))
+  resumed_states = _stored_thetas(algorithm, task, os.path.join(root, 'run'))
+  straight_states = _stored_thetas(algorithm, task,
+                                   os.path.join(tmp_path, 'run'))
   assert set(resumed_states) == set(straight_states) == _sampled_clients(
       task, 3)
   for client_id, state in straight_states.items():
@@ -160,44 +161,70 @@ def test_resumed_run_equals_uninterrupted_run(two_round_run, tmp_path, task,
                                     state[key][0])
 
 
-def test_memory_store_checkpoints_into_files_and_resumes(tmp_path, task,
-                                                          algorithm):
-  # The memory store's checkpoints are files beside the driver's (no 2 GB
-  # limit); those of dropped checkpoints go with them.
-  def memory_config(rounds):
-    return dataclasses.replace(
-        _run_config(tmp_path, rounds, export=False),
-        client_state_store='memory', checkpoints_to_keep=2)
+def _versions_at(task, round_num):
+  """Client id -> the round of its newest state after round `round_num`."""
+  ids = task.train_client_ids
+  versions = {}
+  for r in range(1, round_num + 1):
+    for i in driver.plan_round(0, r, len(ids),
+                               CLIENTS_PER_ROUND).client_indices:
+      versions[ids[i]] = r
+  return versions
 
-  driver.train(algorithm, task, memory_config(3))
-  checkpoint_dir = os.path.join(tmp_path, 'run', 'checkpoints')
-  names = os.listdir(checkpoint_dir)
-  assert sorted(n for n in names if n.startswith('client_store_')) == [
-      'client_store_round_2.sqlite', 'client_store_round_3.sqlite']
-  resumed = driver.train(algorithm, task, memory_config(4))
+
+def test_client_states_of_dropped_checkpoints_are_deleted_and_resume(
+    tmp_path, task, algorithm):
+  # The state files kept are those the kept checkpoints name; those only
+  # dropped checkpoints named go with them.
+  def config(rounds):
+    return dataclasses.replace(_run_config(tmp_path, rounds, export=False),
+                               checkpoints_to_keep=2)
+
+  driver.train(algorithm, task, config(4))
+  run_dir = os.path.join(tmp_path, 'run')
+  assert sorted(driver.CheckpointManager(
+      os.path.join(run_dir, 'checkpoints'), keep=0).rounds()) == [3, 4]
+  state_dir = os.path.join(run_dir, driver.CLIENT_STATE_DIR)
+  stored = {(int(round_dir.split('_')[1]), client_states.client_id_of(name))
+            for round_dir in os.listdir(state_dir)
+            for name in os.listdir(os.path.join(state_dir, round_dir))}
+  named = {(version, client_id) for checkpoint_round in (3, 4)
+           for client_id, version in _versions_at(task,
+                                                  checkpoint_round).items()}
+  assert stored == named
+  # Some states were deleted: those of round 1 that round 3 replaced.
+  assert named != {(v, c) for r in range(1, 5)
+                   for c, v in _versions_at(task, r).items()}
+  resumed = driver.train(algorithm, task, config(5))
   straight = driver.train(algorithm, task,
-                          _run_config(tmp_path / 'straight', 4, export=False))
+                          _run_config(tmp_path / 'straight', 5, export=False))
   for a, b in zip(resumed.model_weights.trainable,
                   straight.model_weights.trainable):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize('changes, message', [
-    (dict(fedres_option=3), '--fedres_option=3 is unknown'),
-    (dict(local_learning_rate=-0.1), '--local_learning_rate'),
-    (dict(client_learning_rate=0.0), '--client_learning_rate'),
-    (dict(fedres_alpha=0.0), '--fedres_alpha'),
+@pytest.mark.parametrize('changes, name, message', [
+    (dict(fedres_option=3), 'fedres_option', 'fedres_option=3 is unknown'),
+    (dict(local_learning_rate=-0.1), 'local_learning_rate',
+     'local_learning_rate must be'),
+    (dict(client_learning_rate=0.0), 'client_learning_rate',
+     'client_learning_rate must be'),
+    (dict(fedres_alpha=0.0), 'fedres_alpha', 'fedres_alpha must be'),
 ])
-def test_bad_hyperparameters_are_usage_errors(task, changes, message):
-  with pytest.raises(UsageError, match=message):
-    registry.build_algorithm('fedres_avg', task.model_fn,
-                             dataclasses.replace(CONFIG, **changes), task=task)
+def test_bad_hyperparameters_are_usage_errors(changes, name, message):
+  # A SettingError names the flag; the binaries print `error: --<message>`.
+  with pytest.raises(settings_lib.SettingError, match=message) as raised:
+    dataclasses.replace(SETTINGS, **changes)
+  assert raised.value.name == name
 
 
 def test_task_without_residual_model_is_a_usage_error(task):
   plain = dataclasses.replace(task, residual_spec=None, name='plain')
-  with pytest.raises(UsageError, match='--algorithm=fedres_sgd needs a task'):
-    registry.build_algorithm('fedres_sgd', plain.model_fn, CONFIG, task=plain)
+  with pytest.raises(settings_lib.SettingError,
+                     match='algorithm=fedres_sgd needs a task') as raised:
+    registry.build('fedres_sgd', plain,
+                   fedres.FedResSettings(client_learning_rate=0.1))
+  assert raised.value.name == 'algorithm'
 
 
 def test_heterogeneity_out_of_range_is_a_usage_error():

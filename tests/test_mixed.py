@@ -7,6 +7,7 @@ the TF code, on a linear model y = x.W + b with mean squared error.
 """
 
 import collections
+import dataclasses
 import tempfile
 
 import numpy as np
@@ -14,12 +15,13 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+import round_testing
 from pipeline import driver
-from pipeline.errors import UsageError
 from tasks import base
-from tff_algos import baselines
-from tff_algos import mixed_tff
-from tff_algos.config import AlgorithmConfig
+from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms import settings as settings_lib
+from tff_algos.algorithms.baselines import definition as baselines
+from tff_algos.algorithms.mixed import definition as mixed
 
 # --- A linear model and its numpy twin ---------------------------------------
 
@@ -147,12 +149,53 @@ HP_EQUIVALENT = dict(eta=0.1, eta_c=0.1, eta_s=1.0, eta_m=1.0, w_f=0.6,
                      w_c=0.4, K=1)
 
 
-def config_from(hp, **kwargs):
-  return AlgorithmConfig(
-      client_learning_rate=hp['eta'], central_learning_rate=hp['eta_c'],
+def settings_from(name, hp, **kwargs):
+  """`name`'s settings with the hyperparameters `hp` (those it has)."""
+  return round_testing.settings_of(
+      name, client_learning_rate=hp['eta'], central_learning_rate=hp['eta_c'],
       server_learning_rate=hp['eta_s'], merge_learning_rate=hp['eta_m'],
-      federated_weight=hp['w_f'], central_weight=hp['w_c'],
-      central_steps=hp['K'], **kwargs)
+      federated_weight=hp['w_f'], central_weight=hp['w_c'], **kwargs)
+
+
+def linear_task(client_steps, central_loss_fn=None) -> base.Task:
+  """The linear model's task; its K (the central model's steps) is
+  `client_steps`. Data: set per round by `run_round`."""
+  return base.Task(
+      name='linear', train_client_ids=('0',),
+      client_dataset_computation=None, keras_model_fn=keras_linear_model,
+      loss_fn=tf.keras.losses.MeanSquaredError, metrics_fn=list,
+      batch_spec=BATCH_SPEC, eval_datasets_fn=dict, serving=None,
+      central_loss_fn=central_loss_fn,
+      data_config=base.DataConfig(client_steps=client_steps))
+
+
+@dataclasses.dataclass
+class Algorithm:
+  """A definition and its TFF process, on data read from `data`."""
+  definition: round_lib.RoundDefinition
+  process: object
+  data: round_testing.FileData
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+  return round_testing.FileData(tmp_path_factory.mktemp('mixed_data'),
+                                BATCH_SPEC)
+
+
+@pytest.fixture(scope='module')
+def build(data):
+  """(name, hp, central_loss_fn=None, **settings) -> Algorithm."""
+
+  def algorithm(name, hp, central_loss_fn=None, **settings):
+    task = data.task(linear_task(hp['K'], central_loss_fn),
+                     central=central_loss_fn is None)
+    definition = mixed.definition(name, task,
+                                  settings_from(name, hp, **settings))
+    return Algorithm(definition, driver.compose_process(definition, task),
+                     data)
+
+  return algorithm
 
 
 # PT and 1-w GT are built under the K=1 equivalence conditions (and checked by
@@ -160,46 +203,51 @@ def config_from(hp, **kwargs):
 
 
 @pytest.fixture(scope='module')
-def pt():
-  return mixed_tff.build_mixed_pt(
-      linear_model_fn, config_from(HP_EQUIVALENT, mixed_diagnostics=True))
+def pt(build):
+  return build(mixed.PARALLEL_TRAINING, HP_EQUIVALENT, mixed_diagnostics=True)
 
 
 @pytest.fixture(scope='module')
-def one_way_gt():
-  return mixed_tff.build_mixed_1wgt(
-      linear_model_fn, config_from(HP_EQUIVALENT, mixed_diagnostics=True))
+def one_way_gt(build):
+  return build(mixed.ONE_WAY_GT, HP_EQUIVALENT, mixed_diagnostics=True)
 
 
 @pytest.fixture(scope='module')
-def two_way_gt():
-  return mixed_tff.build_mixed_2wgt(linear_model_fn, config_from(HP))
+def two_way_gt(build):
+  return build(mixed.TWO_WAY_GT, HP)
 
 
 def initial_state(algorithm, theta=INITIAL_THETA):
-  return algorithm.set_model_weights(algorithm.process.initialize(),
+  return round_lib.set_model_weights(algorithm.process.initialize(),
                                      to_weights(theta))
 
 
 def run_round(algorithm, state, client_batches=CLIENT_BATCHES,
               central_batches=CENTRAL_BATCHES):
-  state, client_outputs, metrics = algorithm.process.next(
-      state, client_datasets(client_batches), to_dataset(central_batches))
-  return state, client_outputs, metrics
+  """(state, metrics) of a round on these clients' and central batches
+  (None: no central data is written, for a data-free central loss)."""
+  client_ids = [algorithm.data.set_client(f'client_{i}', dataset)
+                for i, dataset in enumerate(client_datasets(client_batches))]
+  if central_batches is not None:
+    algorithm.data.set_central(0, to_dataset(central_batches))
+  return round_testing.run_round(algorithm.process, state, client_ids,
+                                 server_seed=0)
 
 
 def model_theta(algorithm, state):
-  return to_theta(algorithm.get_model_weights(state).trainable)
+  del algorithm
+  return to_theta(round_lib.get_model_weights(state).trainable)
 
 
 # --- Hand-computed rounds -----------------------------------------------------------
 
 
 def test_parallel_training_one_round(pt):
-  state, client_outputs, metrics = run_round(pt, initial_state(pt))
+  state, metrics = run_round(pt, initial_state(pt))
   expected, _, _ = reference_round('mixed_pt', INITIAL_THETA, HP_EQUIVALENT)
   np.testing.assert_allclose(model_theta(pt, state), expected, rtol=1e-5)
-  assert list(client_outputs) == [collections.OrderedDict()] * 2
+  # Clients keep no state.
+  assert not pt.definition.has_client_state
   assert metrics['train']['num_examples'] == 4
   assert metrics['train']['num_batches'] == 3
   assert metrics['central']['num_steps'] == 1
@@ -211,7 +259,7 @@ def test_parallel_training_one_round(pt):
 
 
 def test_one_way_gradient_transfer_one_round(one_way_gt):
-  state, _, metrics = run_round(one_way_gt, initial_state(one_way_gt))
+  state, metrics = run_round(one_way_gt, initial_state(one_way_gt))
   expected, _, _ = reference_round('mixed_1wgt', INITIAL_THETA, HP_EQUIVALENT)
   np.testing.assert_allclose(model_theta(one_way_gt, state), expected,
                              rtol=1e-5)
@@ -229,7 +277,7 @@ def test_two_way_gradient_transfer_two_rounds(two_way_gt):
                 ([CLIENT_BATCHES[1], CLIENT_BATCHES[0]], CENTRAL_BATCHES[2:] +
                  CENTRAL_BATCHES[:2])]
   for clients, central in round_data:
-    state, _, _ = run_round(two_way_gt, state, clients, central)
+    state, _ = run_round(two_way_gt, state, clients, central)
     theta, gtilde_c, gtilde_f = reference_round(
         'mixed_2wgt', theta, HP, gtilde_c, gtilde_f, clients, central)
     np.testing.assert_allclose(model_theta(two_way_gt, state), theta,
@@ -252,7 +300,7 @@ def test_diagnostics_follow_eq_7(pt, one_way_gt):
     g_c = hp['w_c'] * mse_gradient(INITIAL_THETA, CENTRAL_BATCHES[0])
     weighted = g_f @ g_f / hp['w_f'] + g_c @ g_c / hp['w_c']
     total = (g_f + g_c) @ (g_f + g_c)
-    _, _, metrics = run_round(algorithm, initial_state(algorithm))
+    _, metrics = run_round(algorithm, initial_state(algorithm))
     np.testing.assert_allclose(metrics['diagnostics']['gtilde_squared'],
                                weighted - total, rtol=1e-4)
     np.testing.assert_allclose(metrics['diagnostics']['btilde_squared'],
@@ -272,25 +320,25 @@ def test_pt_equals_1wgt_with_one_step(pt, one_way_gt):
     clients = [batches(rng.normal(size=(n, 2)), rng.normal(size=n), n)
                for n in (1, 2, 3)]
     central = batches(rng.normal(size=(4, 2)), rng.normal(size=4), 4)
-    pt_state, _, _ = run_round(pt, pt_state, clients, central)
-    gt_state, _, _ = run_round(one_way_gt, gt_state, clients, central)
+    pt_state, _ = run_round(pt, pt_state, clients, central)
+    gt_state, _ = run_round(one_way_gt, gt_state, clients, central)
     np.testing.assert_allclose(model_theta(pt, pt_state),
                                model_theta(one_way_gt, gt_state),
                                rtol=1e-6, atol=1e-7)
 
 
-def test_data_free_central_loss():
+def test_data_free_central_loss(build):
   """A central loss of the weights alone (L2): no server data is taken."""
 
   def l2_regularizer(weights):
     return 0.5 * tf.add_n([tf.reduce_sum(tf.square(w))
                            for w in weights.trainable])
 
-  algorithm = mixed_tff.build_mixed_pt(
-      linear_model_fn, config_from(HP, central_loss_fn=l2_regularizer))
-  assert not algorithm.uses_server_data
+  algorithm = build(mixed.PARALLEL_TRAINING, HP,
+                    central_loss_fn=l2_regularizer)
+  assert not algorithm.definition.uses_server_data
   state = initial_state(algorithm)
-  state, _, metrics = algorithm.process.next(state, client_datasets())
+  state, metrics = run_round(algorithm, state, central_batches=None)
   # grad of 0.5 |theta|^2 is theta: K steps of x <- x - eta_c * w_c * x.
   delta_c = INITIAL_THETA * ((1 - HP['eta_c'] * HP['w_c'])**HP['K'] - 1)
   mean_delta, _, _ = reference_federated(INITIAL_THETA, HP['eta'], HP['w_f'],
@@ -333,8 +381,8 @@ def test_central_data_teaches_the_label_clients_lack(one_way_gt):
     state = initial_state(one_way_gt)
     for round_num in range(5):
       clients, central = label_split_round(round_num)
-      state, _, _ = run_round(one_way_gt, state, clients,
-                              central if with_central else no_central_data)
+      state, _ = run_round(one_way_gt, state, clients,
+                           central if with_central else no_central_data)
     accuracy[name] = accuracy_on_both_labels(model_theta(one_way_gt, state))
   # FL only never sees a negative (it drifts towards "always positive",
   # accuracy 0.5); mixed FL separates the labels (float64 replay of these
@@ -361,40 +409,43 @@ def test_communication_metrics(pt, one_way_gt, two_way_gt):
       '2wgt': (two_way_gt, 2 * MODEL_BYTES, UPLOAD_BYTES + 4, MODEL_BYTES),
   }
   for name, (algorithm, down, up, augmenting) in expected.items():
-    _, _, metrics = run_round(algorithm, initial_state(algorithm))
+    _, metrics = run_round(algorithm, initial_state(algorithm))
     assert metrics['communication'] == collections.OrderedDict(
         bytes_down_per_client=down, bytes_up_per_client=up,
         augmenting_bytes_down_per_client=augmenting), name
 
 
-def test_baseline_communication_bytes():
-  # Sized from the process's types (running a tff.learning round here would
-  # cost a minute; the celeba experiment's metrics.csv shows the columns).
-  fedavg = tff.learning.algorithms.build_weighted_fed_avg(
-      linear_model_fn,
-      client_optimizer_fn=tff.learning.optimizers.build_sgdm(0.1))
-  state_type = fedavg.initialize.type_signature.result
-  # FedAvg also broadcasts its client optimizer's learning rate (float32).
-  assert baselines.communication_bytes(state_type, linear_model_fn) == (
-      MODEL_BYTES + 4, UPLOAD_BYTES)
+def test_baseline_communication_bytes(data):
+  # FedAvg broadcasts the model alone (tff.learning's FedAvg also sends its
+  # client optimizer's learning rate); a client uploads what a mixed FL
+  # client does.
+  fedavg = baselines.fedavg(linear_model_fn, baselines.FedAvgSettings(
+      client_learning_rate=0.1))
+  algorithm = Algorithm(fedavg, driver.compose_process(
+      fedavg, data.task(linear_task(None)), 'native'), data)
+  _, metrics = run_round(algorithm, initial_state(algorithm),
+                         central_batches=None)
+  assert metrics['communication'] == collections.OrderedDict(
+      bytes_down_per_client=MODEL_BYTES, bytes_up_per_client=UPLOAD_BYTES)
 
 
 # --- Bad configurations ------------------------------------------------------------
 
 
-@pytest.mark.parametrize('config, message', [
-    (AlgorithmConfig(central_steps=None), '--client_steps'),
-    (AlgorithmConfig(central_steps=2, central_weight=-1.0), '--central_weight'),
-    (AlgorithmConfig(central_steps=2, central_optimizer='nope'),
-     '--central_optimizer'),
-    (AlgorithmConfig(central_steps=2, merge_learning_rate=0.0),
-     '--merge_optimizer'),
-    (AlgorithmConfig(central_steps=2, mixed_diagnostics=True,
-                     federated_weight=0.0), '--mixed_diagnostics'),
+@pytest.mark.parametrize('client_steps, settings, name', [
+    (None, dict(), 'client_steps'),
+    (2, dict(central_weight=-1.0), 'central_weight'),
+    (2, dict(central_optimizer='nope'), 'central_optimizer'),
+    (2, dict(merge_learning_rate=0.0), 'merge_learning_rate'),
+    (2, dict(mixed_diagnostics=True, federated_weight=0.0),
+     'mixed_diagnostics'),
 ])
-def test_bad_configuration_is_a_usage_error(config, message):
-  with pytest.raises(UsageError, match=message):
-    mixed_tff.build_mixed_pt(linear_model_fn, config)
+def test_bad_configuration_is_a_usage_error(client_steps, settings, name):
+  # A SettingError names the flag; the binaries print `error: --<name> ...`.
+  with pytest.raises(settings_lib.SettingError, match=name) as raised:
+    mixed.definition(mixed.PARALLEL_TRAINING, linear_task(client_steps),
+                     mixed.ParallelTrainingSettings(**settings))
+  assert raised.value.name == name
 
 
 # --- Resume through the driver ----------------------------------------------------
@@ -445,7 +496,7 @@ def test_resumed_2wgt_run_equals_uninterrupted_run(two_way_gt):
           root_output_dir=root, experiment_name=name, total_rounds=rounds,
           clients_per_round=4, rounds_per_eval=10, rounds_per_checkpoint=1,
           export=False)
-      return driver.train(two_way_gt, task, config)
+      return driver.train(two_way_gt.definition, task, config)
 
     run('interrupted', 2)
     resumed = run('interrupted', 4)
@@ -459,7 +510,8 @@ def test_resumed_2wgt_run_equals_uninterrupted_run(two_way_gt):
     checkpoints = driver.CheckpointManager(
         f'{root}/interrupted/checkpoints', keep=0)
     loaded = checkpoints.load(
-        4, driver.program_state_structure(two_way_gt, 4))
+        4, driver.program_state_structure(two_way_gt.process, 4,
+                                          task.num_train_clients, False))
     tf.nest.map_structure(np.testing.assert_array_equal,
                           loaded['server_state']['gtilde_c'],
                           uninterrupted.server_state['gtilde_c'])

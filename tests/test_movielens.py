@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import round_testing
 from pipeline import driver
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import movielens
 from tasks import movielens_files
-from tff_algos import communication
-from tff_algos import registry
-from tff_algos.config import AlgorithmConfig
+from tasks import registry as task_registry
+from tff_algos.algorithms import registry
+from tff_algos.runtime import communication
 
 REAL_MOVIELENS_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '..',
@@ -296,20 +297,20 @@ def one_round_runs(tmp_path_factory):
   """One round of each algorithm on synthetic data, as the binaries set it up
   (spreadout on clients for the baseline only)."""
   root = str(tmp_path_factory.mktemp('runs'))
+  # K = 2: the clients' steps and the central model's.
   tasks = {
-      spreadout_on_clients: movielens.build_task(base.DataConfig(
-          use_synthetic_data=True, client_steps=2, client_batch_size=4,
-          central_steps=2, options=dict(
-              movielens_embedding_dim=4,
-              spreadout_on_clients=spreadout_on_clients)))
+      spreadout_on_clients: task_registry.build_task(
+          'movielens', base.DataConfig(
+              use_synthetic_data=True, client_steps=2, client_batch_size=4,
+              central_steps=2, options=dict(
+                  movielens_embedding_dim=4,
+                  spreadout_on_clients=spreadout_on_clients)))
       for spreadout_on_clients in (False, True)}
   results = {}
   for name in ALGORITHMS:
     task = tasks[not name.startswith('mixed_')]
-    config = AlgorithmConfig(
-        client_learning_rate=0.5, central_learning_rate=0.5, central_steps=2,
-        central_loss_fn=task.central_loss_fn)
-    algorithm = registry.build_algorithm(name, task.model_fn, config)
+    algorithm = registry.build(name, task, round_testing.settings_of(
+        name, client_learning_rate=0.5, central_learning_rate=0.5))
     results[name] = driver.train(algorithm, task, driver.RunConfig(
         root, name, total_rounds=1, clients_per_round=4, export=False))
     if name == 'mixed_2wgt':

@@ -19,9 +19,9 @@ from pipeline import driver
 from tasks import base
 from tasks import registry as task_registry
 from tasks import stackoverflow_char as so_char
+from tests import round_testing
 from tests import stackoverflow_fixture as fixture
-from tff_algos import registry as algorithm_registry
-from tff_algos.config import AlgorithmConfig
+from tff_algos.algorithms import registry as algorithm_registry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CENTRAL_STEPS = 2
@@ -41,14 +41,14 @@ def char_task(tmp_path_factory):
                'max_eval_sequences': 6}))
 
 
-def _train(task, algorithm_name, root, **config):
-  algorithm = algorithm_registry.build_algorithm(
-      algorithm_name, task.model_fn, AlgorithmConfig(
-          client_learning_rate=0.5, central_learning_rate=0.5,
-          federated_weight=0.73, central_weight=0.27,
-          central_steps=CENTRAL_STEPS,
-          num_train_clients=task.num_train_clients, clients_per_round=2,
-          **config))
+def _train(task, algorithm_name, root, **settings):
+  # K (the central model's steps) is the task's client_steps.
+  assert task.data_config.client_steps == CENTRAL_STEPS
+  algorithm = algorithm_registry.build(
+      algorithm_name, task, round_testing.settings_of(
+          algorithm_name, client_learning_rate=0.5,
+          central_learning_rate=0.5, federated_weight=0.73,
+          central_weight=0.27, **settings))
   result = driver.train(algorithm, task, driver.RunConfig(
       root_output_dir=str(root), experiment_name=algorithm_name,
       total_rounds=1, clients_per_round=2,
@@ -95,8 +95,9 @@ def test_word_task_trains_with_fedavg(tmp_path):
   task = task_registry.build_task('stackoverflow_word', base.DataConfig(
       use_synthetic_data=True, client_batch_size=2, client_steps=2,
       options={'model_width': 0.02, 'max_eval_sequences': 5}))
-  algorithm = algorithm_registry.build_algorithm(
-      'fedavg', task.model_fn, AlgorithmConfig(client_learning_rate=0.5))
+  algorithm = algorithm_registry.build(
+      'fedavg', task, round_testing.settings_of('fedavg',
+                                                client_learning_rate=0.5))
   result = driver.train(algorithm, task, driver.RunConfig(
       root_output_dir=str(tmp_path), experiment_name='word', total_rounds=1,
       clients_per_round=2, export=False))

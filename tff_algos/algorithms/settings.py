@@ -25,7 +25,10 @@ class SettingError(ValueError):
   def __init__(self, name: str, problem: str):
     self.name = name
     self.problem = problem
-    super().__init__(f'{name} {problem}')
+    # A problem that starts with the value ('=3 is unknown') follows the
+    # name directly, as the flag is written.
+    separator = '' if problem.startswith('=') else ' '
+    super().__init__(f'{name}{separator}{problem}')
 
 
 POSITIVE = 'positive'

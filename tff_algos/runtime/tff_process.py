@@ -171,6 +171,8 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     return run(payload['message'], payload['round_num'], group)
 
   result_type = group_comp.type_signature.result
+  # `in` on a TFF struct type tests its values, not its names.
+  has_client_costs = 'client_costs' in tff.structure.name_list(result_type)
   aggregation = None
   if model_aggregator is not None:
     update_type = result_type.model_update
@@ -197,7 +199,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
                    ('aggregates', aggregates_type),
                    ('metric_sums', result_type.metrics),
                    ('round', ROUND_TYPE)]
-  if 'client_costs' in result_type:
+  if has_client_costs:
     server_inputs.append(('client_costs', result_type.client_costs))
   if central is not None and central.before_clients:
     server_inputs.append(('central', central_type))
@@ -298,7 +300,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     server_inputs = collections.OrderedDict(
         state=algorithm_state, aggregates=tff.federated_zip(aggregates),
         metric_sums=tff.federated_sum(results.metrics), round=round_info)
-    if 'client_costs' in result_type:
+    if has_client_costs:
       server_inputs['client_costs'] = tff.federated_sum(results.client_costs)
     if central_result is not None:
       server_inputs['central'] = central_result
