@@ -1,28 +1,109 @@
 """Entry-point wrapper shared by the binaries.
 
-Bad input (UsageError, or a flag value absl rejects) ends with one line
-`error: ...` on stderr and exit status 2, no traceback; TFF's worker process is
-stopped on every exit path.
+Exit statuses:
+  0  success.
+  2  bad input: a flag value absl or the binary rejects, a positional
+     argument, a damaged or mismatched file of the run, a run directory in
+     use by another process (UsageError). One line `error: ...` on stderr.
+  3  an environment fault: an output that cannot be written (disk full,
+     read-only or not permitted), a TFF worker that cannot be started or
+     reached (EnvironmentFault, or the OS's own error). One line
+     `error: ...`; what was written before stays valid, so re-running the
+     same command once the fault is fixed resumes.
+  1  anything else (a bug): Python's traceback.
+A fatal signal ends the process with that signal's status. TFF's worker
+process is stopped on every exit path, and the process's temporary files
+live in a private directory that is removed at exit (and, after a SIGKILL,
+at the next start of any binary).
 """
 
+import errno
+import os
+import re
+import signal
+import sqlite3
 import sys
+from typing import Optional
 
 from absl import app
 from absl import flags
 from absl import logging
 
+from pipeline import private_temp
 from pipeline import tff_runtime
+from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 
 EXIT_USAGE = 2
+EXIT_ENVIRONMENT = 3
+
+_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                       errno.EPERM)
+# How TensorFlow (gfile, SavedModel) and SQLite report the same faults.
+_ENVIRONMENT_MESSAGES = ('No space left on device', 'Read-only file system',
+                         'Permission denied', 'Disk quota exceeded',
+                         'database or disk is full',
+                         'attempt to write a readonly database')
+_RECOVERY = ('fix that and re-run the same command (what was written before '
+             'is kept)')
+
+
+def _first_line(text: str) -> str:
+  """The gist of an error text: its first line, without TensorFlow's
+  `{{function_node ...}}` prefix and `[Op:...]` suffix."""
+  line = ' '.join(str(text).strip().splitlines()[:1])
+  line = re.sub(r'\{\{[^}]*\}\}\s*', '', line)
+  return re.sub(r'\s*\[Op:\w+\]', '', line)
+
+
+def environment_fault_message(error: BaseException) -> Optional[str]:
+  """The one-line message of an environment fault in `error`'s chain (the
+  error, its cause and context), else None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, EnvironmentFault):
+      return str(error)
+    if isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
+      where = f'{error.filename}: ' if error.filename else ''
+      return f'{where}{error.strerror}; {_RECOVERY}'
+    if isinstance(error, (sqlite3.OperationalError, OSError)) or (
+        type(error).__module__.startswith('tensorflow')):
+      text = str(error)
+      if any(marker in text for marker in _ENVIRONMENT_MESSAGES):
+        return f'{_first_line(text)}; {_RECOVERY}'
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _remove_temp_dir_on_fatal_signals() -> None:
+  # tff_runtime's handlers re-raise the signal with its default action, which
+  # skips atexit hooks; the private temp directory goes first.
+  for signum in (signal.SIGTERM, signal.SIGHUP):
+    previous = signal.getsignal(signum)
+
+    def handler(number, frame, previous=previous):
+      private_temp.remove_private_temp_dir()
+      if callable(previous):
+        previous(number, frame)
+      else:
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+
+    signal.signal(signum, handler)
 
 
 def run(main, allow_positional_args: bool = False) -> None:
   tff_runtime.install_shutdown_hooks()
+  private_temp.use_private_temp_dir()
+  _remove_temp_dir_on_fatal_signals()
+
+  def fail(message: str, status: int):
+    print(f'error: {message}', file=sys.stderr)
+    tff_runtime.shutdown_workers()
+    sys.exit(status)
 
   def guarded_main(argv):
-    if len(argv) > 1 and not allow_positional_args:
-      raise UsageError(f'unexpected positional arguments: {argv[1:]}')
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)
       # Only binaries that use TF have imported it; others (plot) stay light.
@@ -30,11 +111,17 @@ def run(main, allow_positional_args: bool = False) -> None:
       if tf is not None:
         tf.get_logger().setLevel('WARNING')
     try:
+      if len(argv) > 1 and not allow_positional_args:
+        raise UsageError(f'unexpected positional arguments: '
+                         f'{" ".join(argv[1:])} (every option is a --flag)')
       return main(argv)
     except UsageError as e:
-      print(f'error: {e}', file=sys.stderr)
-      tff_runtime.shutdown_workers()
-      sys.exit(EXIT_USAGE)
+      fail(str(e), EXIT_USAGE)
+    except Exception as e:  # pylint: disable=broad-except
+      message = environment_fault_message(e)
+      if message is None:
+        raise
+      fail(message, EXIT_ENVIRONMENT)
 
   def parse_flags(argv):
     try:

@@ -105,9 +105,7 @@ def main(argv):
   restore.load_run_flags()
   task = restore.build_task()
   if FLAGS.export_dir:
-    if not os.path.isfile(os.path.join(FLAGS.export_dir, 'saved_model.pb')):
-      raise UsageError(f'--export_dir={FLAGS.export_dir} holds no SavedModel')
-    weights = export_lib.load_model_weights(FLAGS.export_dir)
+    weights = export_lib.load_model_weights(FLAGS.export_dir, task)
     output = os.path.join(restore.run_dir(), 'evaluation_export.json')
     source = {'export_dir': FLAGS.export_dir}
   else:

@@ -36,8 +36,12 @@ def main(argv):
                      f'{e}') from e
   # Imported here so flag errors do not wait for TensorFlow.
   from tff_algos.algorithms.fedres import export as fedres_export  # pylint: disable=g-import-not-at-top
-  predictions = fedres_export.serve_personalized(
-      FLAGS.export_dir, FLAGS.client_id, inputs)
+  server = fedres_export.PersonalizedServer(FLAGS.export_dir)
+  try:
+    server.check_inputs(inputs)
+  except UsageError as e:
+    raise UsageError(f'--inputs_npy={FLAGS.inputs_npy}: {e}') from e
+  predictions = server(FLAGS.client_id, inputs)
   print(json.dumps({name: value.tolist()
                     for name, value in predictions.items()}))
 

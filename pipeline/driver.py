@@ -13,7 +13,6 @@ a resumed run is bit-identical to an uninterrupted one.
 import asyncio
 import collections
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -26,6 +25,7 @@ import tqdm
 
 from pipeline import evaluation
 from pipeline import export as export_lib
+from pipeline import run_directory
 from pipeline.errors import UsageError
 from tasks import base
 from tff_algos.algorithms import round as round_lib
@@ -58,6 +58,9 @@ class RunConfig:
   export: bool = True
   # 'tff' (TFF's runtime) or 'native' (in-process TF).
   runtime: str = 'tff'
+  # Resume even if flags that change results differ from hparams.json's
+  # (the changes are recorded there).
+  allow_flag_changes: bool = False
 
   @property
   def run_dir(self) -> str:
@@ -85,9 +88,7 @@ class RunConfig:
     if self.runtime not in RUNTIMES:
       raise UsageError(f'--runtime={self.runtime!r} is unknown; allowed: '
                        f'{", ".join(RUNTIMES)}')
-    if not self.experiment_name or os.sep in self.experiment_name:
-      raise UsageError(f'--experiment_name={self.experiment_name!r} must be a '
-                       'non-empty name without path separators')
+    run_directory.run_dir_path(self.root_output_dir, self.experiment_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,27 +285,49 @@ def committed_client_states(definition: round_lib.RoundDefinition,
       task.train_client_ids, loaded['client_versions']))
 
 
-def write_hparams(run_dir: str, hparams: dict) -> None:
-  path = os.path.join(run_dir, 'hparams.json')
-  staging = path + '.staging'
-  with open(staging, 'w') as f:
-    json.dump(hparams, f, indent=2, sort_keys=True, default=str)
-  os.replace(staging, path)
+def personal_models_writer(definition: round_lib.RoundDefinition,
+                           server_state, states):
+  """`write_more` of export_saved_model that adds the personal models of
+  `states` (ClientStates), or None for algorithms without them."""
+  if definition.personalization is None:
+    return None
+  return lambda directory: definition.personalization.export(
+      server_state, states, directory)
 
 
 def train(definition: round_lib.RoundDefinition, task: base.Task,
           config: RunConfig, hparams: Optional[dict] = None,
           model_aggregator=None) -> TrainResult:
-  """Runs (or resumes) `config.total_rounds` rounds; exports the final model."""
+  """Runs (or resumes) `config.total_rounds` rounds; exports the final model.
+
+  The run directory is locked meanwhile; a resume first checks `hparams`
+  against the run's (`run_directory.check_resume`).
+  """
   config.validate(task.num_train_clients)
+  with run_directory.RunLock(config.run_dir):
+    return _train_locked(definition, task, config, hparams, model_aggregator)
+
+
+def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
+                  config: RunConfig, hparams: Optional[dict],
+                  model_aggregator) -> TrainResult:
   run_dir = config.run_dir
-  os.makedirs(run_dir, exist_ok=True)
+  checkpoints = CheckpointManager(
+      os.path.join(run_dir, run_directory.CHECKPOINTS_DIR),
+      config.checkpoints_to_keep)
+  start_round = checkpoints.latest_round()
+  if start_round is not None and start_round > config.total_rounds:
+    raise UsageError(
+        f'--total_rounds={config.total_rounds} is below the round of the '
+        f'latest checkpoint ({start_round}) in {run_dir}; pass a larger '
+        '--total_rounds or a new --experiment_name')
+  # Flags against hparams.json, metrics.csv readable: before any write.
+  resume = run_directory.check_resume(run_dir, start_round, hparams,
+                                      config.allow_flag_changes)
 
   formats = state_format(definition, config.state_dir)
   process = compose_process(definition, task, config.runtime, formats,
                             model_aggregator)
-  checkpoints = CheckpointManager(os.path.join(run_dir, 'checkpoints'),
-                                  config.checkpoints_to_keep)
   num_indexed = task.num_train_clients if formats else 0
   initial_state = round_lib.set_model_weights(
       process.initialize(), initial_model_weights(task, config.seed))
@@ -315,27 +338,22 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
 
   keeper = (ClientStateKeeper(formats, task.train_client_ids, checkpoints,
                               structure) if formats else None)
-  start_round = checkpoints.latest_round()
   if start_round is None:
     start_round = 0
     server_state = initial_state
     if keeper:
       keeper.start(0, None)
+    run_directory.finish_resume(run_dir, resume)
     checkpoints.save(0, server_state, keeper.index.versions if keeper else
                      np.zeros([0], np.int64))
-  elif start_round > config.total_rounds:
-    raise UsageError(
-        f'--total_rounds={config.total_rounds} is below the round of the '
-        f'latest checkpoint ({start_round}) in {run_dir}; pass a larger '
-        '--total_rounds or a new --experiment_name')
   else:
     loaded = checkpoints.load(start_round, structure(start_round))
     server_state = loaded['server_state']
     if keeper:
       keeper.start(start_round, loaded['client_versions'])
+    run_directory.finish_resume(run_dir, resume)
     logging.info('Resuming %s from round %d', run_dir, start_round)
 
-  write_hparams(run_dir, hparams or {})
   csv_metrics = tff.program.CSVFileReleaseManager(
       os.path.join(run_dir, 'metrics.csv'), key_fieldname='round_num')
   tensorboard = tff.program.TensorBoardReleaseManager(
@@ -393,11 +411,10 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
             if k in ('train/loss',) or k.startswith('eval')))
     weights = round_lib.get_model_weights(server_state)
     if config.export:
-      export_dir = export_lib.export_saved_model(
-          task, weights, os.path.join(run_dir, 'export'))
-      if definition.personalization is not None:
-        definition.personalization.export(server_state, keeper.view(),
-                                          export_dir)
+      export_lib.export_saved_model(
+          task, weights, os.path.join(run_dir, export_lib.EXPORT_DIR),
+          personal_models_writer(definition, server_state,
+                                 keeper and keeper.view()))
   finally:
     progress.close()
   return TrainResult(config.total_rounds, server_state, weights, row)

@@ -1,4 +1,9 @@
-"""The one exception type binaries turn into a single error line and exit 1."""
+"""The exception types binaries turn into a single `error: ...` line.
+
+UsageError ends a binary with exit status 2, EnvironmentFault with 3 (see
+binaries/app.py, which also recognizes the OS's own disk-full and
+write-permission errors as environment faults).
+"""
 
 
 class UsageError(Exception):
@@ -6,4 +11,13 @@ class UsageError(Exception):
 
   The message names the flag or file and what is allowed; binaries print it as
   one line (no traceback) and exit non-zero before writing anything.
+  """
+
+
+class EnvironmentFault(Exception):
+  """The machine, not the input: an output that cannot be written (disk
+  full, read-only), or a TFF worker that cannot be started or reached.
+
+  The message says what failed and how to recover; what was written before
+  stays valid, so re-running the same command resumes.
   """

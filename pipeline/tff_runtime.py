@@ -1,4 +1,4 @@
-"""TFF execution context set-up and shutdown of TFF's C++ worker process.
+"""TFF execution context set-up and the lifetime of TFF's C++ worker process.
 
 `import tensorflow_federated` installs a local C++ execution context that
 starts a `worker_binary` child on first use. TFF only stops it from a
@@ -7,16 +7,44 @@ None), so the worker outlives Python and keeps inherited stdout/stderr pipes
 open, hanging shell pipelines and CI. `shutdown_workers` releases the context
 while the interpreter is still whole and then kills any worker child left;
 `install_shutdown_hooks` runs it on every exit path (normal exit, uncaught
-exception, SIGTERM/SIGHUP/SIGINT).
+exception, SIGTERM/SIGHUP/SIGINT). Against SIGKILL, which no hook sees, the
+local workers this module starts carry a parent-death signal: the kernel
+kills them when this process dies. A local worker that exits at start-up, or
+a --worker_addresses address that does not answer, is an EnvironmentFault
+within seconds (TFF itself would wait for it forever).
+
+Uses of TFF 0.87 internals (all in this module; re-check on a TFF upgrade):
+- `executor_stacks.executor_factory._GRPC_CHANNEL_OPTIONS` (channel options
+  of TFF's own worker channels) and the structure of its
+  `local_cpp_executor_factory` (worker arguments, stub readiness, default
+  CLIENTS cardinality 0), which `_local_worker_factory` re-implements;
+- `environments.tensorflow_frontend.tensorflow_computation.transform_args /
+  transform_result`, the argument transforms TFF's own native contexts are
+  built with (their compiler is tff_algos/runtime/tff_compiler.py's, which uses TFF
+  internals of its own);
+- `context_stack.set_default_context.set_no_default_context`;
+- the `ServiceManager` class local to `local_cpp_executor_factory` (its
+  `_process` and `__del__`), found among live objects to stop and disarm the
+  workers of contexts TFF built itself (the one installed at import);
+- `execution_contexts.mergeable_comp_execution_context`'s private
+  `_partition_value`, `_PartitioningValue`, `_compute_after_merged`,
+  `_run_in_async_context_pool` and `_invoke_after_merge_in_async_pool`
+  (`_fix_mergeable_context_partitioning`).
 """
 
 import asyncio
 import atexit
+import concurrent.futures
 import gc
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+import weakref
+
+from typing import Optional
 
 import psutil
 
@@ -34,6 +62,12 @@ _partitions = 1
 def partitions() -> int:
   """How many parts the configured context splits a round's clients into."""
   return _partitions
+
+
+# A local worker that neither answers nor exits within this is given up on.
+WORKER_START_SECONDS = 60
+# How long a --worker_addresses address may take to accept a connection.
+REMOTE_CONNECT_SECONDS = 10
 
 
 def _worker_children() -> list[psutil.Process]:
@@ -105,6 +139,10 @@ def _stop_context_workers() -> None:
     if process is not None and process.poll() is None:
       processes.append(process)
     manager._process = None  # pylint: disable=protected-access
+  for manager in list(_local_workers):
+    process = manager.detach()
+    if process is not None and process.poll() is None:
+      processes.append(process)
   for process in processes:
     process.terminate()
   for process in processes:
@@ -150,6 +188,160 @@ def worker_binary_path() -> str:
   return os.path.join(os.path.dirname(tff.__file__), 'data', _WORKER_NAME)
 
 
+# Local workers are started from this one thread, which lives as long as the
+# process: Linux sends the parent-death signal when the *thread* that forked
+# the child exits, and TFF would fork from its contexts' event-loop threads,
+# which end when a context is replaced.
+_spawner: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_spawner_lock = threading.Lock()
+_local_workers: 'weakref.WeakSet[_LocalWorker]' = weakref.WeakSet()
+
+
+# Sets the parent-death signal, then becomes the worker (the signal survives
+# exec). A launcher rather than a Popen `preexec_fn`: that would make Python
+# fork() instead of vfork(), which runs gRPC's fork handlers in a process
+# full of gRPC threads (and logs about it).
+_DIE_WITH_PARENT_LAUNCHER = (
+    'import ctypes, os, signal, sys\n'
+    'PR_SET_PDEATHSIG = 1  # <linux/prctl.h>\n'
+    'if ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0):\n'
+    '  sys.exit("cannot set the parent-death signal")\n'
+    'if os.getppid() != int(sys.argv[1]):\n'
+    '  sys.exit(1)  # The parent died before the prctl.\n'
+    'os.execv(sys.argv[2], sys.argv[2:])\n')
+
+
+def _die_with_parent(args: list[str]) -> list[str]:
+  """`args` run so that the kernel kills them when this process dies."""
+  if not sys.platform.startswith('linux'):
+    return args
+  return [sys.executable, '-S', '-E', '-c', _DIE_WITH_PARENT_LAUNCHER,
+          str(os.getpid()), *args]
+
+
+def _spawn_worker(args: list[str]) -> subprocess.Popen:
+  global _spawner
+  with _spawner_lock:
+    if _spawner is None:
+      _spawner = concurrent.futures.ThreadPoolExecutor(
+          max_workers=1, thread_name_prefix='tff-worker-spawner')
+  # stdout/stderr are inherited as TFF does, so worker errors are seen.
+  return _spawner.submit(subprocess.Popen, _die_with_parent(args),
+                         stdin=subprocess.DEVNULL).result()
+
+
+class _LocalWorker:
+  """One local `worker_binary` and the gRPC stub to it (TFF's ServiceManager,
+  with a parent-death signal and a start-up deadline)."""
+
+  def __init__(self, binary_path: str, max_concurrent_computation_calls: int):
+    self._binary_path = binary_path
+    self._max_calls = max_concurrent_computation_calls
+    self._process: Optional[subprocess.Popen] = None
+    self._stub = None
+    self._lock = threading.Lock()
+    _local_workers.add(self)
+
+  def stub(self):
+    """The stub of a running worker; starts (or restarts) it if needed."""
+    with self._lock:
+      if self._stub is not None and self._stub.is_ready:
+        return self._stub
+      self._stop()  # Not ready: the worker died; TFF restarts it too.
+      return self._start()
+
+  def _start(self):
+    import grpc  # pylint: disable=g-import-not-at-top
+    import portpicker  # pylint: disable=g-import-not-at-top
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
+    from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
+    port = portpicker.pick_unused_port()
+    try:
+      process = _spawn_worker([
+          self._binary_path, f'--port={port}',
+          f'--max_concurrent_computation_calls={self._max_calls}'])
+    except OSError as e:
+      raise EnvironmentFault(f'cannot start the TFF worker {self._binary_path}:'
+                             f' {e}') from e
+    self._process = process
+    channel = grpc.insecure_channel(
+        f'localhost:{port}', executor_factory._GRPC_CHANNEL_OPTIONS)  # pylint: disable=protected-access
+    stub = tff.framework.RemoteExecutorGrpcStub(channel)
+    deadline = time.monotonic() + WORKER_START_SECONDS
+    while not stub.is_ready:
+      status = process.poll()
+      if status is not None:
+        self._process = None
+        raise EnvironmentFault(
+            f'the TFF worker {self._binary_path} exited at start-up with '
+            f'status {status} (see its messages above)')
+      if time.monotonic() > deadline:
+        self._stop()
+        raise EnvironmentFault(
+            f'the TFF worker {self._binary_path} did not answer on port '
+            f'{port} within {WORKER_START_SECONDS} s')
+      time.sleep(0.05)
+    self._stub = stub
+    return stub
+
+  def _stop(self) -> None:
+    process = self.detach()
+    if process is not None and process.poll() is None:
+      process.terminate()
+      try:
+        process.wait(timeout=5)
+      except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5)
+
+  def detach(self) -> Optional[subprocess.Popen]:
+    """Forgets the worker process (the caller stops it) and returns it."""
+    process, self._process, self._stub = self._process, None, None
+    return process
+
+
+def _local_worker_factory(max_concurrent_computation_calls: int,
+                          binary_path: Optional[str] = None):
+  """TFF's `local_cpp_executor_factory`, on a `_LocalWorker`."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  worker = _LocalWorker(binary_path or worker_binary_path(),
+                        max_concurrent_computation_calls)
+
+  def executor_fn(cardinalities):
+    if cardinalities.get(tff.CLIENTS) is None:
+      cardinalities[tff.CLIENTS] = 0
+    executor = tff.framework.RemoteExecutor(worker.stub())
+    executor.set_cardinalities(cardinalities)
+    return executor
+
+  # The worker lives as long as the factory (and so the context) does.
+  return tff.framework.ResourceManagingExecutorFactory(executor_fn)
+
+
+def _native_context(context_class, executor_fn):
+  """A context of `context_class` compiled with `tff_compiler` (TFF's own
+  compiler, with its graph-optimizer errors avoided)."""
+  from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
+  from tff_algos.runtime import tff_compiler  # pylint: disable=g-import-not-at-top
+  return context_class(
+      executor_fn=executor_fn,
+      compiler_fn=tff_compiler.compile_for_native_runtime,
+      transform_args=tensorflow_computation.transform_args,
+      transform_result=tensorflow_computation.transform_result)
+
+
+def local_worker_context(max_concurrent_computation_calls: int = -1,
+                         asynchronous: bool = False,
+                         binary_path: Optional[str] = None):
+  """A context on its own local C++ worker (started on first use)."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  return _native_context(
+      tff.framework.AsyncExecutionContext if asynchronous else
+      tff.framework.SyncExecutionContext,
+      _local_worker_factory(max_concurrent_computation_calls, binary_path))
+
+
 def parse_worker_addresses(addresses: str) -> tuple[str, ...]:
   """`host:port,host:port` -> ('host:port', ...); UsageError if malformed."""
   from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
@@ -164,16 +356,25 @@ def parse_worker_addresses(addresses: str) -> tuple[str, ...]:
 
 
 def _remote_worker_context(address: str):
-  """An async context on an already-running TFF worker at `address`."""
+  """An async context on an already-running TFF worker at `address`;
+  EnvironmentFault if nothing answers there within REMOTE_CONNECT_SECONDS
+  (TFF would retry the connection forever)."""
   import grpc  # pylint: disable=g-import-not-at-top
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
-  from tff_algos.runtime import tff_compiler  # pylint: disable=g-import-not-at-top
+  from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
   # The channel options of TFF's own local factory (2 GB messages), which
   # TFF 0.87 keeps private; its remote-context helpers were removed.
   channel = grpc.insecure_channel(
       address, executor_factory._GRPC_CHANNEL_OPTIONS)  # pylint: disable=protected-access
+  try:
+    grpc.channel_ready_future(channel).result(timeout=REMOTE_CONNECT_SECONDS)
+  except grpc.FutureTimeoutError:
+    channel.close()
+    raise EnvironmentFault(
+        f'--worker_addresses: no TFF worker answers at {address} within '
+        f'{REMOTE_CONNECT_SECONDS} s (start one there with `worker_binary '
+        '--port=PORT`)') from None
   stub = tff.framework.RemoteExecutorGrpcStub(channel)
 
   def executor_fn(cardinalities):
@@ -184,29 +385,9 @@ def _remote_worker_context(address: str):
     executor.set_cardinalities(cardinalities)
     return executor
 
-  return tff.framework.AsyncExecutionContext(
-      executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
-      compiler_fn=tff_compiler.compile_for_native_runtime,
-      transform_args=tensorflow_computation.transform_args,
-      transform_result=tensorflow_computation.transform_result)
-
-
-def _local_worker_context(max_concurrent_computation_calls: int,
-                          asynchronous: bool):
-  """TFF's local C++ context (it starts its own `worker_binary`), compiling
-  with `tff_compiler` instead of TFF's `desugar_and_transform_to_native`."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
-  from tff_algos.runtime import tff_compiler  # pylint: disable=g-import-not-at-top
-  context_class = (tff.framework.AsyncExecutionContext if asynchronous else
-                   tff.framework.SyncExecutionContext)
-  return context_class(
-      executor_fn=executor_factory.local_cpp_executor_factory(
-          max_concurrent_computation_calls=max_concurrent_computation_calls),
-      compiler_fn=tff_compiler.compile_for_native_runtime,
-      transform_args=tensorflow_computation.transform_args,
-      transform_result=tensorflow_computation.transform_result)
+  return _native_context(
+      tff.framework.AsyncExecutionContext,
+      tff.framework.ResourceManagingExecutorFactory(executor_fn))
 
 
 def _fix_mergeable_context_partitioning() -> None:
@@ -316,13 +497,13 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
     contexts = [_remote_worker_context(a) for a in worker_addresses]
   elif mergeable:
     # Each local context starts (and owns) its own worker_binary child.
-    contexts = [_local_worker_context(max_concurrent_computation_calls,
-                                      asynchronous=True)
+    contexts = [local_worker_context(max_concurrent_computation_calls,
+                                     asynchronous=True)
                 for _ in range(num_workers)]
   if mergeable:
     tff.backends.native.set_mergeable_comp_execution_context(
         contexts, num_subrounds=num_subrounds or None)
   else:
-    tff.framework.set_default_context(_local_worker_context(
-        max_concurrent_computation_calls, asynchronous=False))
+    tff.framework.set_default_context(
+        local_worker_context(max_concurrent_computation_calls))
   gc.collect()  # The replaced context's (unstarted) service manager.

@@ -51,6 +51,9 @@ class DataConfig:
     if self.central_batch_size < 1:
       raise UsageError('--central_batch_size must be >= 1, got '
                        f'{self.central_batch_size}')
+    if self.eval_batch_size < 1:
+      raise UsageError('--eval_batch_size must be >= 1, got '
+                       f'{self.eval_batch_size}')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,11 +142,28 @@ class PersonalizedServer:
       raise UsageError(f'{export_dir} has no {PERSONALIZED_DIR}/ SavedModel: '
                        'not the export of a FedRes run')
     self._export_dir = export_dir
-    self._loaded = tf.saved_model.load(model_dir)
-    self._signature = self._loaded.signatures['serving_default']
+    try:
+      self._loaded = tf.saved_model.load(model_dir)
+      self._signature = self._loaded.signatures['serving_default']
+    except Exception as e:  # pylint: disable=broad-except
+      # A damaged SavedModel fails in many ways (DecodeError, OpError, ...).
+      raise UsageError(f'{model_dir} is not a readable personalized model '
+                       f'({type(e).__name__}: '
+                       f'{" ".join(str(e).split())[:200]})') from e
     input_specs = dict(self._signature.structured_input_signature[1])
     input_specs.pop('local_weights')
     (self._input_name, self._input_spec), = input_specs.items()
+
+  def check_inputs(self, inputs) -> None:
+    """UsageError unless `inputs` fit the serving input's shape and dtype."""
+    inputs = np.asarray(inputs)
+    spec = self._input_spec
+    if not (spec.shape.is_compatible_with(inputs.shape) and np.can_cast(
+        inputs.dtype, spec.dtype.as_numpy_dtype, casting='same_kind')):
+      raise UsageError(
+          f'inputs of shape {list(inputs.shape)} and dtype {inputs.dtype} do '
+          f'not fit the export\'s `{self._input_name}` (shape '
+          f'{spec.shape.as_list()}, dtype {spec.dtype.name})')
 
   def __call__(self, client_id: str, inputs) -> Mapping[str, np.ndarray]:
     """Predictions of `client_id`'s personalized model on serving `inputs`.
@@ -154,6 +171,7 @@ class PersonalizedServer:
     A client without a stored local model gets the initial one, i.e. the
     global model's prediction plus the initial local model's.
     """
+    self.check_inputs(inputs)
     local_weights, _ = local_weights_for(self._export_dir, client_id)
     outputs = self._signature(**{
         self._input_name: tf.constant(inputs, self._input_spec.dtype),

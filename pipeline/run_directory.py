@@ -1,0 +1,259 @@
+"""What a run directory guarantees around training: one trainer at a time,
+no resume with different results-changing flags, nothing of a killed round
+left behind.
+
+- `RunLock`: an fcntl lock on `<run>/.lock`, held while a process trains in
+  (or exports from) the run; the kernel drops it when the process dies, even
+  by SIGKILL. A second process gets one UsageError.
+- `check_resume`: before anything is written, the flags of a resumed run are
+  compared with its hparams.json; a flag that changes results and differs is
+  refused (one line naming each), unless the caller allows changes, which are
+  then recorded in hparams.json under `flag_changes`. Flags that do not
+  change results (RESULT_NEUTRAL_KEYS) may differ freely; hparams.json keeps
+  the values the run started with.
+- `finish_resume`: once the checkpoint has loaded, removes what a killed
+  round left: temporary checkpoint directories, staging files, metrics rows
+  and TensorBoard events after the checkpoint (logged), and writes
+  hparams.json (new runs and allowed changes only).
+"""
+
+import dataclasses
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+from typing import Any, Optional
+
+from pipeline import run_logs
+from pipeline.errors import UsageError
+
+LOCK_FILE = '.lock'
+HPARAMS_FILE = 'hparams.json'
+TENSORBOARD_DIR = 'tensorboard'
+CHECKPOINTS_DIR = 'checkpoints'
+# hparams.json's record of changes allowed on resume.
+FLAG_CHANGES_KEY = 'flag_changes'
+
+# Flags that may differ when a run resumes: how long it trains, how often it
+# evaluates and checkpoints, where outputs and input data live, and how the
+# rounds are executed (runtime and worker settings compute the same rounds,
+# up to floating-point rounding across runtimes). Every other flag changes
+# the results, so a resumed run must repeat it. `task_defaults_applied`
+# records which values came from task defaults, not a setting itself.
+RESULT_NEUTRAL_KEYS = frozenset({
+    'total_rounds', 'rounds_per_eval', 'rounds_per_checkpoint',
+    'root_output_dir', 'experiment_name',
+    'cache_dir', 'data_dir', 'download', 'movielens_dir',
+    'runtime', 'num_workers', 'num_subrounds', 'worker_addresses',
+    'max_concurrent_computation_calls',
+    'task_defaults_applied', FLAG_CHANGES_KEY,
+})
+
+# Left by a write that was cut off: TFF's checkpoint and CSV writes
+# (`<name>_temp<digits>`) and this pipeline's staging files.
+_CUT_OFF_WRITE = re.compile(r'(_temp\d+|\.staging)$')
+
+
+def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
+  """`<root>/<name>`; UsageError if the name would leave the root."""
+  name = experiment_name or ''
+  if (not name or name in ('.', '..') or '/' in name or '\0' in name or
+      (os.altsep and os.altsep in name)):
+    raise UsageError(f'--experiment_name={experiment_name!r} must be a '
+                     'non-empty name without path separators, other than '
+                     '"." and ".."')
+  if os.path.exists(root_output_dir) and not os.path.isdir(root_output_dir):
+    raise UsageError(f'--root_output_dir={root_output_dir} is a file, not a '
+                     'directory')
+  return os.path.join(root_output_dir, name)
+
+
+class RunLock:
+  """Exclusive use of a run directory by this process (see module doc)."""
+
+  def __init__(self, run_dir: str, writable: bool = True):
+    """`writable`: open the lock file for writing, so that a run directory
+    this process cannot write is an error at once (training); otherwise a
+    read-only run can be locked (exporting elsewhere)."""
+    self._run_dir = run_dir
+    self._writable = writable
+    self._fd: Optional[int] = None
+
+  def acquire(self) -> 'RunLock':
+    """Creates the run directory if needed and locks it."""
+    os.makedirs(self._run_dir, exist_ok=True)
+    path = os.path.join(self._run_dir, LOCK_FILE)
+    if self._writable:
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    else:
+      try:
+        fd = os.open(path, os.O_RDONLY)
+      except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      os.close(fd)
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        raise UsageError(
+            f'{self._run_dir} is in use by another process (it holds '
+            f'{path}); wait for it to finish, or use another '
+            '--experiment_name') from None
+      raise
+    self._fd = fd
+    return self
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)  # Closing the descriptor drops the lock.
+      self._fd = None
+
+  def __enter__(self) -> 'RunLock':
+    return self.acquire()
+
+  def __exit__(self, *exc_info) -> None:
+    self.release()
+
+
+def read_hparams(run_dir: str) -> dict:
+  """The run's hparams.json as a dict; UsageError if it is not one."""
+  path = os.path.join(run_dir, HPARAMS_FILE)
+  if not os.path.isfile(path):
+    raise UsageError(f'{path} not found: the flags of the run are unknown '
+                     '(restore the file, or pass --allow_flag_changes to '
+                     'record this command\'s)')
+  try:
+    with open(path, 'rb') as f:
+      hparams = json.loads(f.read().decode('utf-8'))
+  except UnicodeDecodeError as e:
+    raise UsageError(f'{path} is not UTF-8 text (byte {e.start})') from e
+  except json.JSONDecodeError as e:
+    raise UsageError(f'{path} is not valid JSON: {e}') from e
+  if not isinstance(hparams, dict):
+    raise UsageError(f'{path} must hold a JSON object of flag values, not a '
+                     f'{type(hparams).__name__}')
+  return hparams
+
+
+def _as_json(values: dict) -> dict:
+  """`values` as hparams.json would store them (tuples become lists, ...)."""
+  return json.loads(json.dumps(values, default=str, sort_keys=True))
+
+
+def result_changes(stored: dict, current: dict,
+                   neutral=RESULT_NEUTRAL_KEYS) -> dict[str, tuple[Any, Any]]:
+  """{key: (stored, current)} of keys both have that differ, except
+  `neutral` ones. A key only one side has (a flag added or removed by a
+  code change) is not compared."""
+  current = _as_json(current)
+  return {key: (stored[key], current[key])
+          for key in sorted(stored.keys() & current.keys())
+          if key not in neutral and stored[key] != current[key]}
+
+
+def _describe(changes: dict[str, tuple[Any, Any]]) -> str:
+  return ', '.join(f'--{key} (run: {json.dumps(old)}, now: {json.dumps(new)})'
+                   for key, (old, new) in changes.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+  """What `finish_resume` does; made by `check_resume` (which writes
+  nothing)."""
+  # The checkpoint round the run continues from; None: a new run.
+  start_round: Optional[int]
+  # hparams.json to write, or None to leave it as it is.
+  hparams_to_write: Optional[dict]
+
+
+def check_resume(run_dir: str, start_round: Optional[int],
+                 hparams: Optional[dict],
+                 allow_flag_changes: bool = False) -> ResumePlan:
+  """Checks that the run may continue from `start_round` with `hparams`
+  (see module doc); writes nothing. `hparams` None: not checked (library
+  use)."""
+  metrics_path = os.path.join(run_dir, run_logs.METRICS_FILE)
+  metrics = run_logs.read_metrics(metrics_path)  # UsageError if damaged.
+  current = _as_json(hparams or {})
+  if start_round is None:
+    if metrics is not None and metrics.rows:
+      raise UsageError(
+          f'{metrics_path} has rows but {run_dir} has no checkpoint to resume'
+          ' them from: use a new --experiment_name, or move the run\'s files '
+          'away')
+    return ResumePlan(None, current)
+  if hparams is None:
+    return ResumePlan(start_round, None)
+  path = os.path.join(run_dir, HPARAMS_FILE)
+  if not os.path.isfile(path) and allow_flag_changes:
+    logging.warning('%s was missing; it now records this command\'s flags',
+                    path)
+    return ResumePlan(start_round, current)
+  stored = read_hparams(run_dir)
+  changes = result_changes(stored, current)
+  if not changes:
+    return ResumePlan(start_round, None)
+  if not allow_flag_changes:
+    raise UsageError(
+        f'{run_dir} was trained with other values of flags that change '
+        f'results: {_describe(changes)}; repeat the run\'s values, use a new '
+        '--experiment_name, or pass --allow_flag_changes to continue with '
+        'the new ones')
+  logging.warning('%s continues from round %d with changed flags: %s '
+                  '(recorded in %s)', run_dir, start_round,
+                  _describe(changes), HPARAMS_FILE)
+  history = list(stored.get(FLAG_CHANGES_KEY) or [])
+  history.append({'from_round': start_round, 'changes': {
+      key: {'run': old, 'now': new} for key, (old, new) in changes.items()}})
+  # Neutral values stay the run's; changed ones take this command's.
+  updated = {**current, **{k: stored[k] for k in stored.keys() &
+                           RESULT_NEUTRAL_KEYS}}
+  updated[FLAG_CHANGES_KEY] = history
+  return ResumePlan(start_round, updated)
+
+
+def remove_cut_off_writes(run_dir: str) -> None:
+  """Removes temporary files and directories of writes that were cut off
+  (killed checkpoint writes, staging files) in the run's own directories."""
+  places = [run_dir, os.path.join(run_dir, CHECKPOINTS_DIR)]
+  tensorboard = os.path.join(run_dir, TENSORBOARD_DIR)
+  places += [root for root, _, _ in os.walk(tensorboard)]
+  for place in places:
+    try:
+      names = sorted(os.listdir(place))
+    except (FileNotFoundError, NotADirectoryError):
+      continue
+    for name in names:
+      path = os.path.join(place, name)
+      if not _CUT_OFF_WRITE.search(name) or os.path.islink(path):
+        continue
+      if os.path.isdir(path):
+        shutil.rmtree(path)
+      else:
+        os.remove(path)
+      logging.warning('Removed %s, left by a write that was cut off', path)
+
+
+def write_hparams(run_dir: str, hparams: dict) -> None:
+  path = os.path.join(run_dir, HPARAMS_FILE)
+  staging = path + '.staging'
+  with open(staging, 'w', encoding='utf-8') as f:
+    json.dump(hparams, f, indent=2, sort_keys=True, default=str)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(staging, path)
+
+
+def finish_resume(run_dir: str, plan: ResumePlan) -> None:
+  """Cuts the run back to its checkpoint (see module doc)."""
+  remove_cut_off_writes(run_dir)
+  last_round = plan.start_round or 0
+  run_logs.trim_metrics(os.path.join(run_dir, run_logs.METRICS_FILE),
+                        last_round)
+  run_logs.trim_tensorboard(os.path.join(run_dir, TENSORBOARD_DIR),
+                            last_round)
+  if plan.hparams_to_write is not None:
+    write_hparams(run_dir, plan.hparams_to_write)

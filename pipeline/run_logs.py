@@ -1,0 +1,148 @@
+"""A run's metrics.csv and TensorBoard events, cut back to a checkpoint.
+
+Rows and events of a round are written when the round ends, checkpoints only
+every --rounds_per_checkpoint rounds: a run that is killed (or hits a full
+disk) leaves rows and events of rounds after its latest checkpoint, maybe a
+half-written last row or event record. The resumed run re-runs those rounds,
+so `trim_metrics` and `trim_tensorboard` first remove everything after the
+checkpoint; a round then appears once, as in an uninterrupted run. Kept rows
+are kept byte for byte.
+"""
+
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+from pipeline.errors import UsageError
+
+METRICS_FILE = 'metrics.csv'
+ROUND_COLUMN = 'round_num'
+_EVENTS_PREFIX = 'events.out.tfevents.'
+# A TFRecord is length (8 bytes), its CRC (4), the data, the data's CRC (4).
+_RECORD_FRAMING_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsLines:
+  """metrics.csv split into lines (each with its newline)."""
+  header: str
+  rows: list[str]
+  rounds: list[int]
+  # A last line without its newline: a write that was cut off.
+  partial_tail: str
+
+
+def _damaged(path: str, what: str) -> UsageError:
+  return UsageError(f'{path} {what}; it is not a metrics file of this '
+                    'pipeline: move it away to resume without its rows')
+
+
+def read_metrics(path: str) -> Optional[MetricsLines]:
+  """The file's lines; None if it does not exist; UsageError if it is not a
+  metrics file (a directory, empty, not UTF-8, rows that do not parse)."""
+  import csv  # pylint: disable=g-import-not-at-top
+  if not os.path.lexists(path):
+    return None
+  if os.path.isdir(path):
+    raise _damaged(path, 'is a directory')
+  with open(path, 'rb') as f:
+    data = f.read()
+  try:
+    text = data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise _damaged(path, f'is not UTF-8 text (byte {e.start})') from e
+  lines = text.splitlines(keepends=True)
+  partial_tail = ''
+  if lines and not lines[-1].endswith('\n'):
+    partial_tail = lines.pop()
+  if not lines:
+    raise _damaged(path, 'has no header line' if partial_tail else 'is empty')
+  header = next(csv.reader([lines[0]]))
+  if not header or header[0] != ROUND_COLUMN:
+    raise _damaged(path, f'does not start with a {ROUND_COLUMN} column')
+  rounds = []
+  for number, line in enumerate(lines[1:], start=2):
+    fields = next(csv.reader([line]), [])
+    if len(fields) != len(header) or not fields[0].isdigit():
+      raise _damaged(path, f'line {number} is not a row of its columns')
+    rounds.append(int(fields[0]))
+  return MetricsLines(lines[0], lines[1:], rounds, partial_tail)
+
+
+def _replace_file(path: str, text: str) -> None:
+  staging = path + '.staging'
+  with open(staging, 'w', encoding='utf-8', newline='') as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(staging, path)
+
+
+def _round_ranges(rounds: list[int]) -> str:
+  return f'{rounds[0]}' if len(rounds) == 1 else f'{rounds[0]}-{rounds[-1]}'
+
+
+def trim_metrics(path: str, last_round: int) -> None:
+  """Removes rows of rounds after `last_round` and a partial last row."""
+  metrics = read_metrics(path)
+  if metrics is None:
+    return
+  keep = [row for row, round_num in zip(metrics.rows, metrics.rounds)
+          if round_num <= last_round]
+  dropped = [r for r in metrics.rounds if r > last_round]
+  if not dropped and not metrics.partial_tail:
+    return
+  _replace_file(path, metrics.header + ''.join(keep))
+  removed = []
+  if metrics.partial_tail:
+    removed.append('a partial last row (a write that was cut off)')
+  if dropped:
+    removed.append(f'the rows of rounds {_round_ranges(dropped)}')
+  logging.warning('%s: removed %s, after checkpoint round %d (those rounds '
+                  'are run again)', path, ' and '.join(removed), last_round)
+
+
+def event_files(directory: str) -> list[str]:
+  paths = []
+  for root, dirs, files in os.walk(directory):
+    dirs.sort()
+    paths += [os.path.join(root, name) for name in sorted(files)
+              if name.startswith(_EVENTS_PREFIX)]
+  return paths
+
+
+def read_events(path: str) -> tuple[list[bytes], bool]:
+  """(the file's records, whether it ended in a cut-off record)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  records = []
+  try:
+    for record in tf.data.TFRecordDataset(path):
+      records.append(record.numpy())
+  except tf.errors.DataLossError:
+    return records, True
+  # A tail shorter than a record header is skipped silently by the reader.
+  framed = sum(len(r) + _RECORD_FRAMING_BYTES for r in records)
+  return records, framed != os.path.getsize(path)
+
+
+def trim_tensorboard(directory: str, last_round: int) -> None:
+  """Removes events of steps (rounds) after `last_round` from every event
+  file under `directory`, and cut-off last records."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.util import event_pb2  # pylint: disable=g-import-not-at-top
+  for path in event_files(directory):
+    records, cut_off = read_events(path)
+    keep = [r for r in records
+            if event_pb2.Event.FromString(r).step <= last_round]
+    if len(keep) == len(records) and not cut_off:
+      continue
+    staging = path + '.staging'
+    with tf.io.TFRecordWriter(staging) as writer:
+      for record in keep:
+        writer.write(record)
+    os.replace(staging, path)
+    logging.warning('%s: removed %d events of rounds after checkpoint round '
+                    '%d%s (those rounds are run again)', path,
+                    len(records) - len(keep), last_round,
+                    ' and a cut-off last record' if cut_off else '')
