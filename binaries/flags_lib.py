@@ -6,6 +6,7 @@ default and help; a field several algorithms share is one flag.
 """
 
 import dataclasses
+import math
 import typing
 from typing import Any, Callable, Optional, Union
 
@@ -33,7 +34,9 @@ flags.DEFINE_integer('clients_per_round', 10,
 flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
-flags.DEFINE_integer('seed', 0, 'Seed of initialization, sampling and data.')
+# NumPy's legacy global seed (set with TF's) takes 32 bits.
+flags.DEFINE_integer('seed', 0, 'Seed of initialization, sampling and data.',
+                     lower_bound=0, upper_bound=2**32 - 1)
 flags.DEFINE_string('client_state_dir', None,
                     'Directory of the per-client states (SCAFFOLD/FedPVR c_i, '
                     'FedRes theta_i), written by the clients\' computations '
@@ -170,6 +173,13 @@ for _field in _SETTINGS_FIELDS.values():
 
 # Flags that only some algorithms use; each algorithm accepts its settings'.
 ALGORITHM_FLAGS = tuple(_SETTINGS_FIELDS)
+
+# An infinite or NaN value (learning rate, weight, ...) would train to NaN.
+for _flag in flags.FLAGS.get_flags_for_module(__name__):
+  if _flag.flag_type() == 'float':
+    flags.register_validator(
+        _flag.name, lambda value: value is None or math.isfinite(value),
+        message='must be a finite number')
 
 FLAGS = flags.FLAGS
 

@@ -6,17 +6,20 @@ and the algorithm (and thus the checkpoint's state structure) are rebuilt
 exactly as trained.
 """
 
-import json
+import dataclasses
 import os
+from typing import Any
 
 from absl import flags
 
 from binaries import flags_lib
 from pipeline import driver
+from pipeline import run_directory
 from pipeline.errors import UsageError
 from pipeline import tff_runtime
 from tasks import registry as task_registry
 from tff_algos.algorithms import round as round_lib
+from tff_algos.runtime import client_states as client_states_lib
 
 FLAGS = flags.FLAGS
 
@@ -25,24 +28,37 @@ flags.DEFINE_integer('checkpoint_round', None,
 
 
 def run_dir() -> str:
-  return os.path.join(FLAGS.root_output_dir, FLAGS.experiment_name)
+  return run_directory.run_dir_path(FLAGS.root_output_dir,
+                                    FLAGS.experiment_name)
+
+
+def _parse_stored(name: str, value: Any, path: str) -> Any:
+  flag = FLAGS[name]
+  if value is None and flag.default is None:
+    return None
+  try:
+    return flag.parser.parse(value)
+  except (ValueError, TypeError) as e:
+    raise UsageError(f'{path}: {name}={value!r} is not a valid --{name} '
+                     f'({e})') from e
 
 
 def load_run_flags() -> None:
   """Fills flags the user did not set from the run's hparams.json."""
-  path = os.path.join(run_dir(), 'hparams.json')
+  directory = run_dir()
+  path = os.path.join(directory, run_directory.HPARAMS_FILE)
   if not os.path.isfile(path):
     raise UsageError(f'{path} not found: --experiment_name/--root_output_dir '
                      'must name a run directory made by binaries.train')
-  try:
-    with open(path) as f:
-      hparams = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise UsageError(f'{path} is not valid JSON: {e}') from e
+  hparams = run_directory.read_hparams(directory)
   known = {f.name for f in FLAGS.get_flags_for_module(flags_lib.__name__)}
   for name, value in hparams.items():
     if name in known and not FLAGS[name].present:
-      FLAGS[name].value = value
+      FLAGS[name].value = _parse_stored(name, value, path)
+  try:
+    FLAGS.validate_all_flags()
+  except flags.IllegalFlagValueError as e:
+    raise UsageError(f'{path}: {e}') from e
 
 
 def build_task():
@@ -51,22 +67,61 @@ def build_task():
   return task_registry.build_task(FLAGS.task, flags_lib.data_config())
 
 
-def load_checkpoint_weights(task):
-  """(round, ModelWeights) of the chosen checkpoint of the run."""
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  round_num: int
+  definition: round_lib.RoundDefinition
+  # The loaded program state (round_num, server_state, client_versions).
+  state: Any
+
+  @property
+  def model_weights(self):
+    return round_lib.get_model_weights(self.state['server_state'])
+
+
+def load_checkpoint(task) -> Checkpoint:
+  """The chosen checkpoint (--checkpoint_round, default the latest)."""
   definition = flags_lib.build_algorithm(task)
   checkpoints = driver.CheckpointManager(
-      os.path.join(run_dir(), 'checkpoints'), keep=0)
+      os.path.join(run_dir(), run_directory.CHECKPOINTS_DIR), keep=0)
+  rounds = checkpoints.rounds()
+  if not rounds:
+    raise UsageError(f'{run_dir()}/checkpoints has no checkpoint')
   round_num = FLAGS.checkpoint_round
   if round_num is None:
-    round_num = checkpoints.latest_round()
-    if round_num is None:
-      raise UsageError(f'{run_dir()}/checkpoints has no checkpoint')
+    round_num = rounds[-1]
+  elif round_num not in rounds:
+    raise UsageError(
+        f'--checkpoint_round={round_num}: {run_dir()}/checkpoints has no '
+        f'checkpoint of that round (it has rounds '
+        f'{", ".join(map(str, rounds))})')
   process = driver.compose_process(
       definition, task, FLAGS.runtime,
-      driver.state_format(definition, FLAGS.client_state_dir or os.path.join(
-          run_dir(), driver.CLIENT_STATE_DIR)))
+      driver.state_format(definition, _client_state_dir()))
   structure = driver.program_state_structure(
       process, round_num, task.num_train_clients,
       definition.has_client_state)
-  state = checkpoints.load(round_num, structure)
-  return round_num, round_lib.get_model_weights(state['server_state'])
+  return Checkpoint(round_num, definition,
+                    checkpoints.load(round_num, structure))
+
+
+def _client_state_dir() -> str:
+  return FLAGS.client_state_dir or os.path.join(run_dir(),
+                                                driver.CLIENT_STATE_DIR)
+
+
+def load_checkpoint_weights(task):
+  """(round, ModelWeights) of the chosen checkpoint of the run."""
+  checkpoint = load_checkpoint(task)
+  return checkpoint.round_num, checkpoint.model_weights
+
+
+def client_states(checkpoint: Checkpoint, task):
+  """Read access to the client states of `checkpoint` (e.g. for exporting
+  FedRes's personal models); UsageError if a file it names is missing."""
+  state_format = driver.state_format(checkpoint.definition,
+                                     _client_state_dir())
+  index = client_states_lib.StateIndex(task.train_client_ids,
+                                       checkpoint.state['client_versions'])
+  driver.require_state_files(state_format, index, checkpoint.round_num)
+  return client_states_lib.ClientStates(state_format, index)

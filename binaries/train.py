@@ -10,11 +10,16 @@ from absl import logging
 from binaries import app
 from binaries import flags_lib
 from pipeline import driver
+from pipeline import run_directory
 from pipeline.errors import UsageError
 from tasks import registry as task_registry
 from tff_algos.algorithms import registry as algorithm_registry
 
 FLAGS = flags.FLAGS
+flags.DEFINE_boolean(
+    'allow_flag_changes', False,
+    'Resume even though flags that change results differ from the run\'s '
+    'hparams.json; the changes are recorded there (see README).')
 
 
 def run_config() -> driver.RunConfig:
@@ -28,12 +33,15 @@ def run_config() -> driver.RunConfig:
       seed=FLAGS.seed,
       client_state_dir=FLAGS.client_state_dir,
       clients_per_group=FLAGS.clients_per_group,
-      runtime=FLAGS.runtime)
+      runtime=FLAGS.runtime,
+      allow_flag_changes=FLAGS.allow_flag_changes)
 
 
 def main(argv):
   del argv
   app.require_flags('task', 'algorithm', 'experiment_name')
+  # Before the (slow) task and algorithm builds.
+  run_directory.run_dir_path(FLAGS.root_output_dir, FLAGS.experiment_name)
   if FLAGS.algorithm not in algorithm_registry.NAMES:
     raise UsageError(f'--algorithm={FLAGS.algorithm!r} is unknown; allowed: '
                      f'{", ".join(algorithm_registry.NAMES)}')

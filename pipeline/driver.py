@@ -211,6 +211,20 @@ class CheckpointManager:
         _program_state(round_num, server_state, versions), round_num))
 
 
+def require_state_files(state_format: client_states.StateFormat,
+                        index: client_states.StateIndex,
+                        round_num: int) -> None:
+  """UsageError unless every state file `index` names is there, whole."""
+  missing = client_states.missing_files(
+      state_format, index, client_states.serialized_size(state_format.specs))
+  if missing:
+    raise UsageError(
+        f'{len(missing)} client state file(s) of checkpoint round '
+        f'{round_num} are missing or damaged (e.g. {missing[0]}); the run '
+        'cannot resume exactly. Restore the directory or start a new '
+        '--experiment_name')
+
+
 class ClientStateKeeper:
   """The index of client-state versions and its files, across checkpoints.
 
@@ -232,15 +246,7 @@ class ClientStateKeeper:
     """Sets the index to checkpoint `round_num`'s (None: a new run)."""
     self.index = client_states.StateIndex(self._client_ids, versions)
     client_states.recover(self.format.directory, round_num)
-    missing = client_states.missing_files(
-        self.format, self.index,
-        client_states.serialized_size(self.format.specs))
-    if missing:
-      raise UsageError(
-          f'{len(missing)} client state file(s) of checkpoint round '
-          f'{round_num} are missing or damaged (e.g. {missing[0]}); the run '
-          'cannot resume exactly. Restore the directory or start a new '
-          '--experiment_name')
+    require_state_files(self.format, self.index, round_num)
     self._kept = {round_num: self.index.versions.copy()}
 
   def checkpointed(self, round_num: int) -> None:

@@ -1,6 +1,7 @@
 """The driver: resume == uninterrupted, determinism, outputs (in-process)."""
 
 import csv
+import json
 import os
 import shutil
 
@@ -132,3 +133,28 @@ def test_smaller_total_rounds_than_checkpoint_is_refused(fedavg, task,
   with pytest.raises(UsageError, match='below the round'):
     run(fedavg, task, tmp_path, 'ahead', 1)
   assert (tmp_path / 'ahead' / 'metrics.csv').read_bytes() == before
+
+
+def test_resume_with_other_results_changing_values(fedavg, task, tmp_path):
+  def train(total_rounds, hparams, **kwargs):
+    config = driver.RunConfig(root_output_dir=str(tmp_path),
+                              experiment_name='flags',
+                              total_rounds=total_rounds, clients_per_round=3,
+                              **kwargs)
+    return driver.train(fedavg, task, config, hparams)
+
+  train(1, {'seed': 0, 'total_rounds': 1})
+  run_dir = tmp_path / 'flags'
+  files = {name: (run_dir / name).read_bytes()
+           for name in ('metrics.csv', 'hparams.json')}
+  with pytest.raises(UsageError, match=r'--seed \(run: 0, now: 1\)'):
+    train(2, {'seed': 1, 'total_rounds': 2})
+  assert {name: (run_dir / name).read_bytes() for name in files} == files
+  train(2, {'seed': 1, 'total_rounds': 2}, allow_flag_changes=True)
+  with open(run_dir / 'hparams.json') as f:
+    hparams = json.load(f)
+  assert hparams['seed'] == 1 and hparams['total_rounds'] == 1
+  assert hparams['flag_changes'] == [
+      {'from_round': 1, 'changes': {'seed': {'run': 0, 'now': 1}}}]
+  assert [r['round_num'] for r in read_metrics(run_dir / 'metrics.csv')] == [
+      '1', '2']

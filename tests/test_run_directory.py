@@ -1,0 +1,284 @@
+"""Run-directory guarantees, in-process: resume checks, trimming, the lock,
+names, export targets, private temp directories."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import tensorflow as tf
+
+import fault_testlib as lib
+from pipeline import export as export_lib
+from pipeline import private_temp
+from pipeline import run_directory
+from pipeline import run_logs
+from pipeline.errors import UsageError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEADER = 'round_num,train/loss,round_seconds\n'
+
+
+def rows(*rounds):
+  return ''.join(f'{r},0.{r},1.5\n' for r in rounds)
+
+
+# -- hparams -----------------------------------------------------------------
+
+STORED = {'seed': 0, 'client_learning_rate': 0.01, 'total_rounds': 5,
+          'num_workers': 1, 'task_defaults_applied': {'a': 1}}
+
+
+def write_run(run_dir, hparams=STORED, metrics=HEADER + rows(1, 2)):
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, 'hparams.json'), 'w') as f:
+    json.dump(hparams, f)
+  with open(os.path.join(run_dir, 'metrics.csv'), 'w') as f:
+    f.write(metrics)
+
+
+def test_neutral_flags_may_change_and_hparams_json_stays(tmp_path):
+  write_run(tmp_path)
+  before = (tmp_path / 'hparams.json').read_text()
+  plan = run_directory.check_resume(
+      str(tmp_path), 2, {**STORED, 'total_rounds': 9, 'num_workers': 3,
+                         'task_defaults_applied': {}, 'new_flag': 1})
+  assert plan.hparams_to_write is None
+  run_directory.finish_resume(str(tmp_path), plan)
+  assert (tmp_path / 'hparams.json').read_text() == before
+
+
+def test_changed_results_flags_are_refused_by_name(tmp_path):
+  write_run(tmp_path)
+  with pytest.raises(UsageError) as error:
+    run_directory.check_resume(
+        str(tmp_path), 2, {**STORED, 'seed': 1, 'client_learning_rate': 0.1,
+                           'total_rounds': 9})
+  assert str(error.value) == (
+      f'{tmp_path} was trained with other values of flags that change '
+      'results: --client_learning_rate (run: 0.01, now: 0.1), --seed (run: 0, '
+      'now: 1); repeat the run\'s values, use a new --experiment_name, or '
+      'pass --allow_flag_changes to continue with the new ones')
+
+
+def test_allowed_changes_are_recorded(tmp_path):
+  write_run(tmp_path)
+  plan = run_directory.check_resume(
+      str(tmp_path), 2, {**STORED, 'seed': 1, 'total_rounds': 9},
+      allow_flag_changes=True)
+  run_directory.finish_resume(str(tmp_path), plan)
+  written = json.loads((tmp_path / 'hparams.json').read_text())
+  assert written['seed'] == 1
+  assert written['total_rounds'] == 5  # Neutral values stay the run's.
+  assert written['flag_changes'] == [
+      {'from_round': 2, 'changes': {'seed': {'run': 0, 'now': 1}}}]
+  # A second change appends; the recorded history is not compared.
+  plan = run_directory.check_resume(
+      str(tmp_path), 4, {**STORED, 'seed': 2}, allow_flag_changes=True)
+  run_directory.finish_resume(str(tmp_path), plan)
+  written = json.loads((tmp_path / 'hparams.json').read_text())
+  assert [c['from_round'] for c in written['flag_changes']] == [2, 4]
+
+
+def test_result_changes_compare_as_json():
+  assert not run_directory.result_changes({'ids': [1, 2]}, {'ids': (1, 2)})
+  assert run_directory.result_changes({'x': 1}, {'x': 1.5}) == {'x': (1, 1.5)}
+
+
+@pytest.mark.parametrize('content, message', [
+    (b'\xff\xfe', 'is not UTF-8 text (byte 0)'),
+    (b'[1, 2]', 'must hold a JSON object of flag values, not a list'),
+    (b'{"seed": ', 'is not valid JSON'),
+])
+def test_damaged_hparams_json(tmp_path, content, message):
+  write_run(tmp_path)
+  (tmp_path / 'hparams.json').write_bytes(content)
+  with pytest.raises(UsageError, match='hparams.json ' + message.replace(
+      '(', r'\(').replace(')', r'\)')):
+    run_directory.check_resume(str(tmp_path), 2, STORED)
+
+
+def test_rows_without_a_checkpoint_are_refused(tmp_path):
+  write_run(tmp_path)
+  with pytest.raises(UsageError, match='has no checkpoint to resume'):
+    run_directory.check_resume(str(tmp_path), None, STORED)
+
+
+# -- metrics.csv and TensorBoard --------------------------------------------
+
+def test_partial_row_and_rows_after_the_checkpoint_are_trimmed(
+    tmp_path, caplog):
+  path = tmp_path / 'metrics.csv'
+  path.write_text(HEADER + rows(1, 2, 3, 4) + '5,0.5')
+  run_logs.trim_metrics(str(path), 3)
+  assert path.read_text() == HEADER + rows(1, 2, 3)
+  assert any('the rows of rounds 4' in r.getMessage() and
+             'partial last row' in r.getMessage() for r in caplog.records)
+  caplog.clear()
+  run_logs.trim_metrics(str(path), 3)  # Nothing to do: untouched, silent.
+  assert path.read_text() == HEADER + rows(1, 2, 3)
+  assert not caplog.records
+
+
+@pytest.mark.parametrize('content, message', [
+    ('', 'is empty'),
+    ('hello world\n1,2\n', 'does not start with a round_num column'),
+    (HEADER + '1,0.1\n2,0.2,1.0\n', 'line 2 is not a row of its columns'),
+    (HEADER + 'x,0.1,1.0\n', 'line 2 is not a row of its columns'),
+])
+def test_damaged_metrics_are_refused(tmp_path, content, message):
+  path = tmp_path / 'metrics.csv'
+  path.write_text(content)
+  with pytest.raises(UsageError) as error:
+    run_logs.trim_metrics(str(path), 3)
+  assert str(error.value) == (
+      f'{path} {message}; it is not a metrics file of this pipeline: move it '
+      'away to resume without its rows')
+  assert path.read_text() == content
+
+
+def test_metrics_directory_is_refused(tmp_path):
+  (tmp_path / 'metrics.csv').mkdir()
+  with pytest.raises(UsageError, match='metrics.csv is a directory'):
+    run_logs.read_metrics(str(tmp_path / 'metrics.csv'))
+
+
+def write_events(directory, steps):
+  writer = tf.summary.create_file_writer(str(directory))
+  with writer.as_default():
+    for step in steps:
+      tf.summary.scalar('train/loss', float(step), step=step)
+  writer.close()
+  time.sleep(1.1)  # Event file names hold the second they were made in.
+
+
+def scalar_steps(directory):
+  steps = []
+  for path in run_logs.event_files(str(directory)):
+    records, cut_off = run_logs.read_events(path)
+    assert not cut_off
+    from tensorflow.core.util import event_pb2  # pylint: disable=g-import-not-at-top
+    for record in records:
+      event = event_pb2.Event.FromString(record)
+      steps += [event.step for _ in event.summary.value]
+  return sorted(steps)
+
+
+def test_tensorboard_steps_after_the_checkpoint_are_removed(tmp_path):
+  # A run killed after round 5 with checkpoint 3, resumed, killed after 4.
+  write_events(tmp_path, [1, 2, 3, 4, 5])
+  run_logs.trim_tensorboard(str(tmp_path), 3)
+  write_events(tmp_path, [4])
+  path = run_logs.event_files(str(tmp_path))[-1]
+  with open(path, 'rb+') as f:  # The kill cut the last record's CRC off.
+    f.truncate(os.path.getsize(path) - 2)
+  assert run_logs.read_events(path)[1]
+  run_logs.trim_tensorboard(str(tmp_path), 3)
+  assert not run_logs.read_events(path)[1]
+  write_events(tmp_path, [4, 5, 6])
+  assert scalar_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def test_cut_off_writes_are_removed(tmp_path):
+  (tmp_path / 'checkpoints' / 'round_4_temp1234' / 'variables').mkdir(
+      parents=True)
+  (tmp_path / 'checkpoints' / 'round_4').mkdir()
+  (tmp_path / 'metrics.csv_temp5678').write_text('x')
+  (tmp_path / 'hparams.json.staging').write_text('x')
+  (tmp_path / 'metrics.csv').write_text(HEADER)
+  run_directory.remove_cut_off_writes(str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ['checkpoints', 'metrics.csv']
+  assert os.listdir(tmp_path / 'checkpoints') == ['round_4']
+
+
+# -- lock, names, export targets ---------------------------------------------
+
+def test_second_process_cannot_lock_a_run(tmp_path):
+  with lib.lock_held_by_another_process(tmp_path):
+    with pytest.raises(UsageError) as error:
+      run_directory.RunLock(str(tmp_path)).acquire()
+    assert str(error.value) == (
+        f'{tmp_path} is in use by another process (it holds '
+        f'{tmp_path}/.lock); wait for it to finish, or use another '
+        '--experiment_name')
+  # The kernel dropped the dead holder's lock.
+  with run_directory.RunLock(str(tmp_path)):
+    pass
+
+
+@pytest.mark.parametrize('name', ['..', '.', 'a/b', '../x', ''])
+def test_experiment_names_that_leave_the_root(tmp_path, name):
+  with pytest.raises(UsageError, match='--experiment_name'):
+    run_directory.run_dir_path(str(tmp_path), name)
+
+
+def test_root_output_dir_that_is_a_file(tmp_path):
+  (tmp_path / 'f').write_text('')
+  with pytest.raises(UsageError, match='is a file, not a directory'):
+    run_directory.run_dir_path(str(tmp_path / 'f'), 'x')
+
+
+@pytest.fixture
+def run_tree(tmp_path):
+  run = tmp_path / 'root' / 'run'
+  (run / 'checkpoints').mkdir(parents=True)
+  (run / 'metrics.csv').write_text(HEADER)
+  (run / 'export').mkdir()
+  (run / 'export' / 'saved_model.pb').write_text('')
+  (tmp_path / 'other').mkdir()
+  (tmp_path / 'other' / 'notes.txt').write_text('mine')
+  return run
+
+
+@pytest.mark.parametrize('target, message', [
+    ('root/run', 'would replace the run directory'),
+    ('root', 'would replace the run directory'),
+    ('root/run/checkpoints', 'is inside the run directory'),
+    ('root/run/export/x', 'is inside the run directory'),
+    ('other', 'exists and is not an export'),
+    ('root/run/metrics.csv', 'is inside the run directory'),
+])
+def test_export_targets_that_would_replace_something(run_tree, target,
+                                                      message):
+  base = run_tree.parent.parent
+  with pytest.raises(UsageError, match=message):
+    export_lib.check_export_dir(str(base / target), str(run_tree))
+
+
+def test_export_targets_that_are_fine(run_tree, tmp_path):
+  for target in (run_tree / 'export', tmp_path / 'new', tmp_path / 'other2'):
+    export_lib.check_export_dir(str(target), str(run_tree))
+  (tmp_path / 'copy').mkdir()
+  (tmp_path / 'copy' / 'checkpoints').mkdir()
+  with pytest.raises(UsageError, match='holds a run'):
+    export_lib.check_export_dir(str(tmp_path / 'copy'), str(run_tree))
+
+
+# -- private temp directories ----------------------------------------------
+
+def test_temp_dirs_of_ended_processes_are_removed(tmp_path):
+  script = ('import sys, tempfile, time\n'
+            'from pipeline import private_temp\n'
+            'print(private_temp.use_private_temp_dir(), flush=True)\n'
+            'open(tempfile.mkstemp(prefix="__autograph_generated_file")[1], '
+            '"w")\n'
+            'time.sleep(600)\n')
+  env = {**os.environ, 'PYTHONPATH': REPO, 'TMPDIR': str(tmp_path)}
+  ended = subprocess.Popen([sys.executable, '-c', script], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, text=True)
+  alive = subprocess.Popen([sys.executable, '-c', script], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, text=True)
+  try:
+    ended_dir = ended.stdout.readline().strip()
+    alive_dir = alive.stdout.readline().strip()
+    ended.kill()
+    ended.wait()
+    assert os.listdir(ended_dir)  # SIGKILL left its files.
+    assert private_temp.remove_stale(str(tmp_path)) == 1
+    assert not os.path.exists(ended_dir)
+    assert os.path.isdir(alive_dir)
+  finally:
+    alive.terminate()
+    alive.wait()
