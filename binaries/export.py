@@ -2,6 +2,11 @@
 
   python -m binaries.export --experiment_name=demo [--root_output_dir=runs]
       [--checkpoint_round=N] [--export_dir=DIR (default <run>/export)]
+
+A FedRes run's export also holds the personal models of the checkpoint (as
+training's own export does). The export replaces only an earlier export:
+--export_dir may not be the run directory or inside it (other than its
+export/), hold a run, or hold anything but an export.
 """
 
 import os
@@ -11,7 +16,9 @@ from absl import flags
 from binaries import app
 from binaries import flags_lib  # pylint: disable=unused-import
 from binaries import restore
+from pipeline import driver
 from pipeline import export as export_lib
+from pipeline import run_directory
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('export_dir', None, 'Where to write (default <run>/export).')
@@ -20,12 +27,22 @@ flags.DEFINE_string('export_dir', None, 'Where to write (default <run>/export).'
 def main(argv):
   del argv
   app.require_flags('experiment_name')
+  run_dir = restore.run_dir()
+  export_dir = FLAGS.export_dir or os.path.join(run_dir, export_lib.EXPORT_DIR)
+  export_lib.check_export_dir(export_dir, run_dir)
   restore.load_run_flags()
-  task = restore.build_task()
-  round_num, weights = restore.load_checkpoint_weights(task)
-  export_dir = FLAGS.export_dir or os.path.join(restore.run_dir(), 'export')
-  path = export_lib.export_saved_model(task, weights, export_dir)
-  print(f'exported round {round_num} to {path}')
+  # No trainer may write the run (or its export) meanwhile.
+  with run_directory.RunLock(run_dir, writable=False):
+    task = restore.build_task()
+    checkpoint = restore.load_checkpoint(task)
+    states = None
+    if checkpoint.definition.personalization is not None:
+      states = restore.client_states(checkpoint, task)
+    path = export_lib.export_saved_model(
+        task, checkpoint.model_weights, export_dir,
+        driver.personal_models_writer(
+            checkpoint.definition, checkpoint.state['server_state'], states))
+  print(f'exported round {checkpoint.round_num} to {path}')
 
 
 if __name__ == '__main__':
