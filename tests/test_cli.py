@@ -1,7 +1,6 @@
 """The binaries as a user runs them: outputs, resume, errors, no leaked workers."""
 
 import csv
-import hashlib
 import json
 import os
 import subprocess
@@ -11,6 +10,8 @@ import numpy as np
 import psutil
 import pytest
 import tensorflow as tf
+
+from fault_testlib import tree_digest
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,18 +43,6 @@ _ORPHANS_BEFORE_TESTS = _orphaned_worker_pids()
 def orphan_workers():
   """TFF workers left running by a binary that has exited."""
   return sorted(_orphaned_worker_pids() - _ORPHANS_BEFORE_TESTS)
-
-
-def tree_digest(path):
-  digest = hashlib.sha256()
-  for root, dirs, files in sorted(os.walk(path)):
-    dirs.sort()
-    for name in sorted(files):
-      full = os.path.join(root, name)
-      digest.update(full.encode())
-      with open(full, 'rb') as f:
-        digest.update(f.read())
-  return digest.hexdigest()
 
 
 def read_rows(path):

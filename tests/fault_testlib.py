@@ -1,0 +1,182 @@
+"""Shared pieces of the fault tests: small runs, binaries as subprocesses,
+tree digests, read-only and size-limited mounts."""
+
+import contextlib
+import csv
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from preloaded_binary import PreloadedBinary
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Checkpoints 0, 2 and 3; a run of a few seconds once TF is loaded.
+DIGITS_FLAGS = ['--task=digits', '--algorithm=fedavg', '--num_clients=20',
+                '--clients_per_round=5', '--client_steps=2',
+                '--rounds_per_checkpoint=2']
+FEDRES_FLAGS = ['--task=fedres_logistic', '--algorithm=fedres_avg',
+                '--clients_per_round=4']
+TIMING_COLUMNS = ('round_seconds', 'eval_seconds')
+
+
+def binary_command(module, *args):
+  return [sys.executable, '-m', module, *args]
+
+
+def run_binary(module, *args, timeout=600, env=None):
+  return subprocess.run(binary_command(module, *args), cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout,
+                        stdin=subprocess.DEVNULL, check=False,
+                        env=env or environment())
+
+
+def environment(**extra):
+  return {**os.environ, 'PYTHONPATH': REPO, **extra}
+
+
+def preloaded(binary):
+  """A server of `binaries.<binary>` (see preloaded_binary); close it."""
+  return PreloadedBinary(f'binaries.{binary}', REPO, environment())
+
+
+def train(root, name, flags, *more, total_rounds=3, binary=None):
+  """Trains a run to completion, with `binary` (a preloaded train binary)
+  or in a new process."""
+  args = [*flags, f'--total_rounds={total_rounds}', f'--experiment_name={name}',
+          f'--root_output_dir={root}', *more]
+  result = (binary.run(args) if binary else
+            run_binary('binaries.train', *args))
+  assert result.returncode == 0, result.stderr[-3000:]
+  return os.path.join(root, name)
+
+
+def tree_digest(path):
+  """Digest of every directory and file (names and contents) under path."""
+  digest = hashlib.sha256()
+  for root, dirs, files in sorted(os.walk(path)):
+    dirs.sort()
+    digest.update(root.encode())
+    for name in sorted(files):
+      full = os.path.join(root, name)
+      digest.update(full.encode())
+      with open(full, 'rb') as f:
+        digest.update(f.read())
+  return digest.hexdigest()
+
+
+def error_lines(result):
+  return [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+
+
+def metrics_rows(run_dir):
+  with open(os.path.join(run_dir, 'metrics.csv'), newline='') as f:
+    rows = list(csv.DictReader(f))
+  for row in rows:
+    for column in TIMING_COLUMNS:
+      row.pop(column, None)
+  return rows
+
+
+def copy_run(source, destination):
+  shutil.copytree(source, destination, symlinks=True)
+  return str(destination)
+
+
+@contextlib.contextmanager
+def lock_held_by_another_process(run_dir):
+  """`run_dir` locked by a child process while the context lasts."""
+  holder = subprocess.Popen(
+      [sys.executable, '-c',
+       'import sys, time\n'
+       'from pipeline import run_directory\n'
+       'run_directory.RunLock(sys.argv[1]).acquire()\n'
+       'print("locked", flush=True)\n'
+       'time.sleep(600)\n', str(run_dir)],
+      cwd=REPO, stdout=subprocess.PIPE, text=True, env=environment())
+  try:
+    assert holder.stdout.readline() == 'locked\n'
+    yield
+  finally:
+    holder.kill()
+    holder.wait()
+
+
+def _mount(*args):
+  return subprocess.run(['mount', *args], capture_output=True, text=True,
+                        check=False).returncode == 0
+
+
+@contextlib.contextmanager
+def read_only(path):
+  """`path` read-only for this user: a read-only bind mount as root (who
+  ignores permission bits), permission bits otherwise; skips the test if
+  neither is possible."""
+  path = str(path)
+  if os.geteuid() != 0:
+    modes = {}
+    for root, dirs, files in os.walk(path):
+      for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+        modes[name] = os.stat(name).st_mode
+        os.chmod(name, modes[name] & ~0o222)
+    try:
+      yield
+    finally:
+      for name, mode in modes.items():
+        os.chmod(name, mode)
+    return
+  if not (_mount('--bind', path, path) and
+          _mount('-o', 'remount,bind,ro', path, path)):
+    subprocess.run(['umount', path], capture_output=True, check=False)
+    pytest.skip('cannot make a read-only mount here')
+  try:
+    yield
+  finally:
+    subprocess.run(['umount', path], check=True)
+
+
+@contextlib.contextmanager
+def small_filesystem(path, size_kb):
+  """A tmpfs of `size_kb` at `path` (root only; skips otherwise). Yields a
+  function that resizes it."""
+  os.makedirs(path, exist_ok=True)
+  if os.geteuid() != 0 or not _mount('-t', 'tmpfs', '-o', f'size={size_kb}k',
+                                     'tmpfs', str(path)):
+    pytest.skip('cannot mount a small tmpfs here (needs root)')
+
+  def resize(new_size_kb):
+    assert _mount('-o', f'remount,size={new_size_kb}k', str(path))
+
+  try:
+    yield resize
+  finally:
+    subprocess.run(['umount', str(path)], check=True)
+
+
+def shared_runs(tmp_path_factory):
+  """A digits run `base` (3 rounds, checkpoints 0, 2, 3) and a FedRes run
+  `fedres` (2 rounds), trained once per test session (shared by the xdist
+  workers). Tests copy them before changing anything."""
+  directory = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    directory = directory.parent  # The session's, not this worker's.
+  directory = directory / 'shared_fault_runs'
+  directory.mkdir(exist_ok=True)
+  with open(directory / '.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (directory / 'done').exists():
+      for name in ('base', 'fedres'):
+        shutil.rmtree(directory / name, ignore_errors=True)
+      binary = preloaded('train')
+      try:
+        train(directory, 'base', DIGITS_FLAGS, binary=binary)
+        train(directory, 'fedres', FEDRES_FLAGS, total_rounds=2,
+              binary=binary)
+      finally:
+        binary.close()
+      (directory / 'done').write_text('')
+  return directory

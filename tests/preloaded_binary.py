@@ -1,0 +1,109 @@
+"""Runs one binary many times, each run a process of its own, from a process
+that imported the binary (TensorFlow, TFF) once.
+
+A binary spends ~10 s of CPU importing TensorFlow and TFF before it looks at
+its flags; tests that run a binary on many bad inputs would spend most of
+their time there. This server imports the binary, then forks a child per
+request: the child is a fresh process in every way that matters (its own
+flags, exit status, stdout/stderr, atexit hooks) without the import. The
+server itself never runs TensorFlow, so the fork copies no running threads.
+
+  python tests/preloaded_binary.py binaries.train
+
+Requests are JSON lines on stdin: {"argv": [...], "stdout": path,
+"stderr": path}; each answer is a JSON line {"status": exit status, or
+-signal}. `PreloadedBinary` is the client.
+"""
+
+import atexit
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def _child(module, argv: list[str], stdout: str, stderr: str) -> None:
+  """Runs the binary as `python -m <module> *argv` would; never returns."""
+  for fd, path in ((1, stdout), (2, stderr)):
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+  os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+  sys.argv = [module.__file__, *argv]
+  status = 0
+  try:
+    from binaries import app  # pylint: disable=g-import-not-at-top
+    app.run(module.main)
+  except SystemExit as e:
+    status = e.code if isinstance(e.code, int) else (0 if e.code is None
+                                                     else 1)
+    if not isinstance(e.code, (int, type(None))):
+      print(e.code, file=sys.stderr)
+  except BaseException:  # pylint: disable=broad-except
+    import traceback  # pylint: disable=g-import-not-at-top
+    traceback.print_exc()
+    status = 1
+  try:
+    atexit._run_exitfuncs()  # pylint: disable=protected-access
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
+
+
+def serve(module_name: str) -> None:
+  module = importlib.import_module(module_name)
+  print('ready', flush=True)
+  for line in sys.stdin:
+    request = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+      _child(module, request['argv'], request['stdout'], request['stderr'])
+    _, wait_status = os.waitpid(pid, 0)
+    print(json.dumps({'status': os.waitstatus_to_exitcode(wait_status)}),
+          flush=True)
+  # The execution context TFF made at import goes quietly, not in a
+  # destructor at interpreter exit.
+  from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
+  tff_runtime.shutdown_workers()
+
+
+class PreloadedBinary:
+  """A running server of one binary (see module doc). Not thread-safe."""
+
+  def __init__(self, module_name: str, cwd: str, env: dict):
+    self._server = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), module_name], cwd=cwd,
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ready = self._server.stdout.readline()
+    if ready != 'ready\n':
+      self.close()
+      raise RuntimeError(f'{module_name} did not load: {ready!r}')
+
+  def run(self, argv: list[str]) -> subprocess.CompletedProcess:
+    """Runs the binary with `argv` (stdin empty) and waits for it."""
+    with tempfile.TemporaryDirectory() as directory:
+      stdout = os.path.join(directory, 'stdout')
+      stderr = os.path.join(directory, 'stderr')
+      self._server.stdin.write(json.dumps(
+          {'argv': [str(a) for a in argv], 'stdout': stdout,
+           'stderr': stderr}) + '\n')
+      self._server.stdin.flush()
+      answer = self._server.stdout.readline()
+      if not answer:
+        raise RuntimeError('the binary server died')
+      with open(stdout) as out, open(stderr) as err:
+        return subprocess.CompletedProcess(
+            argv, json.loads(answer)['status'], out.read(), err.read())
+
+  def close(self) -> None:
+    self._server.stdin.close()
+    self._server.wait(timeout=60)
+
+
+if __name__ == '__main__':
+  serve(sys.argv[1])

@@ -1,0 +1,284 @@
+"""Every bad input ends with one exact `error: ...` line, exit status 2 (3
+for environment faults), and leaves every output as it was.
+
+Each case runs a binary on its own copy of two small runs, as a process of
+its own forked from a server that imported the binary once (a binary spends
+most of its time importing TensorFlow); the parametrized test checks each
+case's outcome.
+"""
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+from typing import Callable, Optional
+
+import numpy as np
+import pytest
+
+import fault_testlib as lib
+
+RECOVERY = 'fix that and re-run the same command (what was written before is kept)'
+NOT_METRICS = ('; it is not a metrics file of this pipeline: move it away to '
+               'resume without its rows')
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+  root: str
+  base: str
+  fedres: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  binary: str
+  args: Callable[[Paths], list]
+  message: Callable[[Paths], str]
+  status: int = 2
+  # Changes the copied runs before the command (the damage under test).
+  setup: Optional[Callable[[Paths], None]] = None
+  # A context the command runs in (e.g. a read-only mount).
+  during: Optional[Callable[[Paths], contextlib.AbstractContextManager]] = None
+
+
+def train_new(*flags):
+  return lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=new',
+                    f'--root_output_dir={p.root}', *flags]
+
+
+def resume_base(*flags):
+  return lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=base',
+                    '--total_rounds=4', f'--root_output_dir={p.root}', *flags]
+
+
+def of_base(*flags):
+  return lambda p: ['--experiment_name=base', f'--root_output_dir={p.root}',
+                    *[f(p) if callable(f) else f for f in flags]]
+
+
+def write(relative, content):
+  def setup(p):
+    path = os.path.join(p.root, relative)
+    with open(path, 'wb' if isinstance(content, bytes) else 'w') as f:
+      f.write(content)
+  return setup
+
+
+def edit_hparams(**values):
+  def setup(p):
+    path = os.path.join(p.base, 'hparams.json')
+    with open(path) as f:
+      hparams = json.load(f)
+    with open(path, 'w') as f:
+      json.dump({**hparams, **values}, f)
+  return setup
+
+
+def replace_with_directory(relative):
+  def setup(p):
+    os.remove(os.path.join(p.root, relative))
+    os.mkdir(os.path.join(p.root, relative))
+  return setup
+
+
+def garble_export(p):
+  lib.copy_run(os.path.join(p.base, 'export'), os.path.join(p.root, 'garbled'))
+  with open(os.path.join(p.root, 'garbled', 'saved_model.pb'), 'wb') as f:
+    f.write(b'garbage')
+
+
+def wrongly_shaped_inputs(p):
+  np.save(os.path.join(p.root, 'inputs.npy'), np.zeros([2, 3, 4]))
+
+
+def lock_held(p):
+  return lib.lock_held_by_another_process(p.base)
+
+
+def read_only_root(p):
+  return lib.read_only(p.root)
+
+
+CASES = [
+    Case('seed_negative', 'train', train_new('--seed=-1'),
+         lambda p: 'flag --seed=-1: -1 is not an integer in the range '
+         '[0, 4294967295]'),
+    Case('seed_2_to_70', 'train', train_new(f'--seed={2**70}'),
+         lambda p: f'flag --seed={2**70}: {2**70} is not an integer in the '
+         'range [0, 4294967295]'),
+    Case('eval_batch_size_0', 'train', train_new('--eval_batch_size=0'),
+         lambda p: '--eval_batch_size must be >= 1, got 0'),
+    Case('infinite_learning_rate', 'train',
+         train_new('--client_learning_rate=inf'),
+         lambda p: 'flag --client_learning_rate=inf: must be a finite number'),
+    Case('nan_learning_rate', 'train', train_new('--server_learning_rate=nan'),
+         lambda p: 'flag --server_learning_rate=nan: must be a finite number'),
+    Case('positional_argument', 'train', lambda p: [*train_new()(p), 'extra'],
+         lambda p: 'unexpected positional arguments: extra (every option is '
+         'a --flag)'),
+    Case('root_output_dir_is_a_file', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=new',
+                    f'--root_output_dir={p.root}/file'],
+         lambda p: f'--root_output_dir={p.root}/file is a file, not a '
+         'directory', setup=write('file', 'not a directory')),
+    Case('experiment_name_dot_dot', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=..',
+                    f'--root_output_dir={p.base}'],
+         lambda p: "--experiment_name='..' must be a non-empty name without "
+         'path separators, other than "." and ".."'),
+    Case('experiment_name_dot', 'evaluate',
+         lambda p: ['--experiment_name=.', f'--root_output_dir={p.base}'],
+         lambda p: "--experiment_name='.' must be a non-empty name without "
+         'path separators, other than "." and ".."'),
+    Case('resume_with_other_flags', 'train',
+         resume_base('--client_learning_rate=0.5', '--seed=1'),
+         lambda p: f'{p.base} was trained with other values of flags that '
+         'change results: --client_learning_rate (run: 0.01, now: 0.5), '
+         '--seed (run: 0, now: 1); repeat the run\'s values, use a new '
+         '--experiment_name, or pass --allow_flag_changes to continue with '
+         'the new ones'),
+    Case('run_in_use', 'train', resume_base(),
+         lambda p: f'{p.base} is in use by another process (it holds '
+         f'{p.base}/.lock); wait for it to finish, or use another '
+         '--experiment_name', during=lock_held),
+    Case('hparams_not_utf8', 'train', resume_base(),
+         lambda p: f'{p.base}/hparams.json is not UTF-8 text (byte 0)',
+         setup=write('base/hparams.json', b'\xff{}')),
+    Case('hparams_a_list', 'evaluate', of_base(),
+         lambda p: f'{p.base}/hparams.json must hold a JSON object of flag '
+         'values, not a list', setup=write('base/hparams.json', '[1, 2]')),
+    Case('hparams_wrong_type', 'export', of_base(),
+         lambda p: f'{p.base}/hparams.json: seed=\'abc\' is not a valid '
+         "--seed (invalid literal for int() with base 10: 'abc')",
+         setup=edit_hparams(seed='abc')),
+    Case('metrics_garbage', 'train', resume_base(),
+         lambda p: f'{p.base}/metrics.csv does not start with a round_num '
+         'column' + NOT_METRICS,
+         setup=write('base/metrics.csv', 'garbage\x00,\n1,2\n')),
+    Case('metrics_empty', 'train', resume_base(),
+         lambda p: f'{p.base}/metrics.csv is empty' + NOT_METRICS,
+         setup=write('base/metrics.csv', '')),
+    Case('metrics_a_directory', 'train', resume_base(),
+         lambda p: f'{p.base}/metrics.csv is a directory' + NOT_METRICS,
+         setup=replace_with_directory('base/metrics.csv')),
+    Case('checkpoint_round_missing', 'evaluate',
+         of_base('--checkpoint_round=7'),
+         lambda p: f'--checkpoint_round=7: {p.base}/checkpoints has no '
+         'checkpoint of that round (it has rounds 0, 2, 3)'),
+    Case('export_of_another_task', 'evaluate',
+         of_base(lambda p: f'--export_dir={p.fedres}/export'),
+         lambda p: f'--export_dir={p.fedres}/export holds another model than '
+         "task digits's (weight shapes 10x2, expected 64x10 10)"),
+    Case('garbled_export', 'evaluate',
+         of_base(lambda p: f'--export_dir={p.root}/garbled'),
+         lambda p: f'--export_dir={p.root}/garbled is not a readable export '
+         'of this pipeline (OSError)', setup=garble_export),
+    Case('serve_wrongly_shaped_input', 'serve_personalized',
+         lambda p: [f'--export_dir={p.fedres}/export', '--client_id=0',
+                    f'--inputs_npy={p.root}/inputs.npy'],
+         lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
+         '[2, 3, 4] and dtype float64 do not fit the export\'s `features` '
+         '(shape [None, 10], dtype float32)', setup=wrongly_shaped_inputs),
+    Case('export_over_the_run', 'export',
+         of_base(lambda p: f'--export_dir={p.base}'),
+         lambda p: f'--export_dir={p.base} would replace the run directory '
+         f'{p.base} (or a directory holding it); choose a new directory'),
+    Case('export_over_the_output_root', 'export',
+         of_base(lambda p: f'--export_dir={p.root}'),
+         lambda p: f'--export_dir={p.root} would replace the run directory '
+         f'{p.base} (or a directory holding it); choose a new directory'),
+    Case('export_into_checkpoints', 'export',
+         of_base(lambda p: f'--export_dir={p.base}/checkpoints'),
+         lambda p: f'--export_dir={p.base}/checkpoints is inside the run '
+         f'directory {p.base}; export to its export/ (the default) or outside '
+         'it'),
+    Case('export_over_another_run', 'export',
+         of_base(lambda p: f'--export_dir={p.fedres}'),
+         lambda p: f'--export_dir={p.fedres} holds a run (checkpoints, '
+         'metrics.csv, hparams.json); choose a new directory'),
+    Case('unreachable_worker_address', 'train',
+         train_new('--worker_addresses=localhost:1'),
+         lambda p: '--worker_addresses: no TFF worker answers at localhost:1 '
+         'within 10 s (start one there with `worker_binary --port=PORT`)',
+         status=3),
+    Case('read_only_new_run', 'train', train_new(),
+         lambda p: f'{p.root}/new: Read-only file system; {RECOVERY}',
+         status=3, during=read_only_root),
+    Case('read_only_resume', 'train', resume_base(),
+         lambda p: f'{p.base}/.lock: Read-only file system; {RECOVERY}',
+         status=3, during=read_only_root),
+    Case('read_only_evaluate', 'evaluate', of_base(),
+         lambda p: f'{p.base}/evaluation_round_3.json: Read-only file system; '
+         f'{RECOVERY}', status=3, during=read_only_root),
+    Case('read_only_export', 'export', of_base(),
+         lambda p: f'{p.base}/export.staging: Read-only file system; '
+         f'{RECOVERY}', status=3, during=read_only_root),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  paths: Paths
+  result: subprocess.CompletedProcess
+  digest_before: str
+  digest_after: str
+
+
+def run_case(case: Case, binary, runs, directory) -> Outcome:
+  root = directory / 'root'
+  paths = Paths(str(root), str(root / 'base'), str(root / 'fedres'))
+  lib.copy_run(runs / 'base', paths.base)
+  lib.copy_run(runs / 'fedres', paths.fedres)
+  if case.setup:
+    case.setup(paths)
+  before = lib.tree_digest(root)
+  with case.during(paths) if case.during else contextlib.nullcontext():
+    result = binary.run(case.args(paths))
+  return Outcome(paths, result, before, lib.tree_digest(root))
+
+
+def run_cases(binary_name: str, cases: list[Case], runs,
+              tmp_path_factory) -> dict[str, Outcome]:
+  binary = lib.preloaded(binary_name)
+  try:
+    return {case.name: run_case(case, binary, runs,
+                                tmp_path_factory.mktemp(case.name))
+            for case in cases}
+  finally:
+    binary.close()
+
+
+@pytest.fixture(scope='module')
+def outcomes(request, tmp_path_factory):
+  """{case name: future of its Outcome} of the cases this session runs."""
+  runs = lib.shared_runs(tmp_path_factory)
+  names = {item.callspec.params['case'].name
+           for item in request.session.items
+           if item.module is request.module and hasattr(item, 'callspec')}
+  by_binary = {}
+  for case in CASES:
+    if case.name in names:
+      by_binary.setdefault(case.binary, []).append(case)
+  futures = {}
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    for binary_name, cases in by_binary.items():
+      future = pool.submit(run_cases, binary_name, cases, runs,
+                           tmp_path_factory)
+      futures.update({case.name: future for case in cases})
+  return futures
+
+
+@pytest.mark.parametrize('case', CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_one_error_line_and_changes_nothing(outcomes, case):
+  # Re-raises a set-up failure.
+  outcome = outcomes[case.name].result()[case.name]
+  result = outcome.result
+  assert result.returncode == case.status, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  assert lib.error_lines(result) == [
+      f'error: {case.message(outcome.paths)}'], result.stderr[-3000:]
+  assert outcome.digest_after == outcome.digest_before

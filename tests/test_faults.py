@@ -1,0 +1,355 @@
+"""Faults a run must survive: kills and signals, a second trainer, a round
+cut off inside its checkpoint write, a full disk, a TFF worker that cannot
+start or be reached; and exports that keep a FedRes run's personal models."""
+
+import errno
+import glob
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import time
+
+import numpy as np
+import psutil
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from binaries import app
+import fault_testlib as lib
+from pipeline import run_logs
+from pipeline import tff_runtime
+from pipeline.errors import EnvironmentFault
+
+RECOVERY = ('; fix that and re-run the same command (what was written before '
+            'is kept)')
+
+
+@pytest.fixture(scope='module')
+def base(tmp_path_factory):
+  """An uninterrupted digits run of 3 rounds (checkpoints 0, 2, 3)."""
+  return str(lib.shared_runs(tmp_path_factory) / 'base')
+
+
+@pytest.fixture(scope='module')
+def train_binary():
+  binary = lib.preloaded('train')
+  yield binary
+  binary.close()
+
+
+def train_base(binary, root):
+  return binary.run([*lib.DIGITS_FLAGS, '--total_rounds=3',
+                     '--experiment_name=base', f'--root_output_dir={root}'])
+
+
+def export_weights(run_dir, name='export'):
+  loaded = tf.saved_model.load(os.path.join(run_dir, name))
+  return [v.numpy() for v in loaded.trainable_weights]
+
+
+def assert_same_run(run_dir, reference):
+  assert lib.metrics_rows(run_dir) == lib.metrics_rows(reference)
+  for a, b in zip(export_weights(run_dir), export_weights(reference),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def tensorboard_steps(run_dir):
+  """{(tag, step): count} over all event files of the run."""
+  from tensorflow.core.util import event_pb2  # pylint: disable=g-import-not-at-top
+  counts = {}
+  for path in run_logs.event_files(os.path.join(run_dir, 'tensorboard')):
+    for record in run_logs.read_events(path)[0]:
+      event = event_pb2.Event.FromString(record)
+      for value in event.summary.value:
+        key = (value.tag, event.step)
+        counts[key] = counts.get(key, 0) + 1
+  return counts
+
+
+def wait_for_rows(run_dir, rows, process, timeout=600):
+  deadline = time.monotonic() + timeout
+  path = os.path.join(run_dir, 'metrics.csv')
+  while time.monotonic() < deadline:
+    assert process.poll() is None, f'{run_dir}: trainer exited early'
+    if os.path.exists(path):
+      with open(path) as f:
+        if len(f.read().splitlines()) > rows:
+          return
+    time.sleep(0.5)
+  raise AssertionError(f'{run_dir}: no {rows} rows within {timeout} s')
+
+
+def workers_of(process):
+  return [p for p in psutil.Process(process.pid).children()
+          if 'worker_binary' in ' '.join(p.cmdline()[:1])]
+
+
+def alive(process):
+  try:
+    return process.status() != psutil.STATUS_ZOMBIE
+  except psutil.NoSuchProcess:
+    return False
+
+
+def wait_for_autograph_file(temp, process, timeout=600):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    assert process.poll() is None, 'the binary exited early'
+    if glob.glob(str(temp / 'tff-algos-*' / '__autograph_generated_file*')):
+      return
+    time.sleep(0.2)
+  raise AssertionError(f'no autograph file within {timeout} s')
+
+
+@pytest.mark.time_limit(900)
+def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
+  root, temp = tmp_path / 'runs', tmp_path / 'tmp'
+  temp.mkdir()
+  env = lib.environment(TMPDIR=str(temp))
+
+  def start(name):
+    return subprocess.Popen(
+        lib.binary_command('binaries.train', *lib.DIGITS_FLAGS,
+                           '--total_rounds=100000', f'--experiment_name={name}',
+                           f'--root_output_dir={root}'),
+        cwd=lib.REPO, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+  # SIGTERM and SIGHUP once autograph has written files: the private temp
+  # directory holding them goes with the process.
+  for signum in (signal.SIGTERM, signal.SIGHUP):
+    process = start(f'signal_{signum}')
+    try:
+      wait_for_autograph_file(temp, process)
+      process.send_signal(signum)
+      assert process.wait(timeout=120) == -signum
+    finally:
+      process.kill()
+    assert not os.listdir(temp)
+
+  # SIGKILL while training; meanwhile a second trainer is refused.
+  process = start('killed')
+  try:
+    wait_for_rows(root / 'killed', 2, process)
+    (worker,) = workers_of(process)
+    process.send_signal(signal.SIGSTOP)  # Keeps its lock, not the CPU.
+    second = lib.run_binary('binaries.train', *lib.DIGITS_FLAGS,
+                            '--total_rounds=100000', '--experiment_name=killed',
+                            f'--root_output_dir={root}', env=env)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert lib.error_lines(second) == [
+        f'error: {root}/killed is in use by another process (it holds '
+        f'{root}/killed/.lock); wait for it to finish, or use another '
+        '--experiment_name']
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=120) == -signal.SIGKILL
+  finally:
+    process.kill()
+  time.sleep(1)
+  # The kernel killed its worker (the parent-death signal).
+  assert not alive(worker)
+  # SIGKILL left its private temp dir (autograph files inside, none
+  # outside) until the next start of a binary.
+  (left,) = os.listdir(temp)
+  assert left.startswith('tff-algos-')
+  assert glob.glob(str(temp / left / '__autograph_generated_file*'))
+
+  # The killed run resumes: rows after its checkpoint are re-run, the kept
+  # rows stay byte for byte, and a re-run round equals the killed one.
+  killed = root / 'killed'
+  with open(killed / 'metrics.csv') as f:
+    lines_before = f.read().splitlines(keepends=True)
+  rows_before = lib.metrics_rows(killed)
+  checkpoint = max(int(n[len('round_'):]) for n in os.listdir(
+      killed / 'checkpoints') if n[len('round_'):].isdigit())
+  resumed = lib.run_binary('binaries.train', *lib.DIGITS_FLAGS,
+                           f'--total_rounds={checkpoint + 1}',
+                           '--experiment_name=killed',
+                           f'--root_output_dir={root}', env=env)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  if len(rows_before) > checkpoint:
+    assert re.search(r'metrics.csv: removed (a partial last row .* and )?the '
+                     r'rows of rounds \d+', resumed.stderr)
+  with open(killed / 'metrics.csv') as f:
+    lines_after = f.read().splitlines(keepends=True)
+  assert lines_after[:checkpoint + 1] == lines_before[:checkpoint + 1]
+  rows_after = lib.metrics_rows(killed)
+  assert [int(r['round_num']) for r in rows_after] == list(
+      range(1, checkpoint + 2))
+  if len(rows_before) > checkpoint and all(
+      rows_before[checkpoint].values()):
+    assert rows_after[checkpoint] == rows_before[checkpoint]
+  assert set(tensorboard_steps(killed).values()) == {1}
+  assert not os.listdir(temp)  # The stale temp dir went at the start.
+
+
+def test_resume_removes_what_a_cut_off_checkpoint_write_left(
+    base, train_binary, tmp_path):
+  # Killed inside round 3's checkpoint write, after its row and events:
+  # round_3 is a temp directory, metrics.csv has row 3 and a partial row.
+  run = lib.copy_run(base, tmp_path / 'base')
+  os.rename(os.path.join(run, 'checkpoints', 'round_3'),
+            os.path.join(run, 'checkpoints', 'round_3_temp1234'))
+  with open(os.path.join(run, 'metrics.csv'), 'a') as f:
+    f.write('4,3.1')
+  with open(os.path.join(run, 'metrics.csv_temp5678'), 'w') as f:
+    f.write('round_num\n')
+  result = train_base(train_binary, tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  events_of_round_3 = sum(count for (_, step), count in
+                          tensorboard_steps(base).items() if step == 3)
+  for message in ('round_3_temp1234, left by a write that was cut off',
+                  'metrics.csv_temp5678, left by a write that was cut off',
+                  'metrics.csv: removed a partial last row (a write that was '
+                  'cut off) and the rows of rounds 3, after checkpoint round 2',
+                  f'removed {events_of_round_3} events of rounds after '
+                  'checkpoint round 2'):
+    assert message in result.stderr, result.stderr[-3000:]
+  assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == [
+      'round_0', 'round_2', 'round_3']
+  assert not glob.glob(os.path.join(run, '*_temp*'))
+  assert_same_run(run, base)
+  assert tensorboard_steps(run) == tensorboard_steps(base)
+  assert set(tensorboard_steps(run).values()) == {1}
+
+
+def test_full_disk_is_one_error_and_the_run_resumes(base, train_binary,
+                                                    tmp_path):
+  # 64 kB fill up in round 2's checkpoint write.
+  disk = tmp_path / 'disk'
+  with lib.small_filesystem(disk, 64) as resize:
+    full = train_base(train_binary, disk)
+    assert full.returncode == 3, full.stderr[-3000:]
+    assert 'Traceback' not in full.stderr
+    (line,) = lib.error_lines(full)
+    assert re.fullmatch(rf'error: {disk}/base/\S+; No space left on device'
+                        + re.escape(RECOVERY), line), line
+    resize(4096)
+    resumed = train_base(train_binary, disk)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(disk / 'base', base)
+    assert set(tensorboard_steps(disk / 'base').values()) == {1}
+    assert not glob.glob(str(disk / 'base' / '**' / '*temp*'),
+                         recursive=True)
+    assert not glob.glob(str(disk / 'base' / '*.staging'))
+
+
+@pytest.fixture(scope='module')
+def fedres(tmp_path_factory):
+  return str(lib.shared_runs(tmp_path_factory) / 'fedres')
+
+
+def local_models(export_dir):
+  connection = sqlite3.connect(
+      f'file:{export_dir}/local_models.sqlite?mode=ro', uri=True)
+  try:
+    return connection.execute('SELECT * FROM local_models ORDER BY '
+                              'client_id').fetchall()
+  finally:
+    connection.close()
+
+
+def test_export_of_a_fedres_run_keeps_its_personal_models(fedres, tmp_path):
+  run = lib.copy_run(fedres, tmp_path / 'fedres')
+  trained = local_models(os.path.join(run, 'export'))
+  assert trained
+  export = lib.preloaded('export')
+  try:
+    outcomes = [(export_dir, export.run(
+        ['--experiment_name=fedres', f'--root_output_dir={tmp_path}',
+         *([f'--export_dir={export_dir}'] if export_dir else [])]))
+                for export_dir in (None, tmp_path / 'elsewhere')]
+  finally:
+    export.close()
+  for export_dir, exported in outcomes:
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    target = str(export_dir or os.path.join(run, 'export'))
+    assert local_models(target) == trained
+    assert os.path.isfile(os.path.join(target, 'personalized',
+                                       'saved_model.pb'))
+    for a, b in zip(export_weights(target, ''), export_weights(fedres),
+                    strict=True):
+      np.testing.assert_array_equal(a, b)
+  np.save(tmp_path / 'inputs.npy', np.zeros([3, 10], np.float32))
+  served = lib.run_binary(
+      'binaries.serve_personalized', f'--export_dir={run}/export',
+      f'--client_id={trained[0][0]}', f'--inputs_npy={tmp_path}/inputs.npy')
+  assert served.returncode == 0, served.stderr[-3000:]
+  predictions = json.loads(served.stdout)
+  assert np.shape(next(iter(predictions.values())))[0] == 3
+
+
+@pytest.fixture
+def restore_default_context():
+  yield
+  tff_runtime.configure_execution()
+
+
+def add_one():
+  return tff.tensorflow.computation(lambda x: x + 1, np.int32)
+
+
+@pytest.mark.parametrize('script, message', [
+    ('echo "worker: cannot bind" >&2; exit 3',
+     r'the TFF worker .* exited at start-up with status 3'),
+    ('exec sleep 600', r'the TFF worker .* did not answer on port \d+ within 2 s'),
+])
+def test_worker_that_does_not_start_is_an_error_within_seconds(
+    tmp_path, monkeypatch, restore_default_context, script, message):
+  del restore_default_context
+  monkeypatch.setattr(tff_runtime, 'WORKER_START_SECONDS', 2)
+  binary = tmp_path / 'worker_binary'
+  binary.write_text(f'#!/bin/sh\n{script}\n')
+  binary.chmod(0o755)
+  tff.framework.set_default_context(
+      tff_runtime.local_worker_context(binary_path=str(binary)))
+  started = time.monotonic()
+  with pytest.raises(EnvironmentFault, match=message):
+    add_one()(1)
+  assert time.monotonic() - started < 15
+  assert not [p for p in psutil.Process().children(recursive=True)
+              if str(binary) in ' '.join(p.cmdline()) and alive(p)]
+
+
+def test_unreachable_worker_address_is_an_error_within_seconds(
+    restore_default_context):
+  del restore_default_context
+  started = time.monotonic()
+  with pytest.raises(EnvironmentFault, match='no TFF worker answers at '
+                     'localhost:1 within 10 s'):
+    tff_runtime.configure_execution(worker_addresses=('localhost:1',))
+  assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize('error, expected', [
+    (OSError(errno.ENOSPC, 'No space left on device', '/r/metrics.csv'),
+     '/r/metrics.csv: No space left on device'),
+    (PermissionError(errno.EACCES, 'Permission denied', '/r'),
+     '/r: Permission denied'),
+    (sqlite3.OperationalError('database or disk is full'),
+     'database or disk is full'),
+    (tf.errors.ResourceExhaustedError(
+        None, None, '{{function_node x}} /r/v.data; No space left on device '
+        '[Op:SaveV2]'), '/r/v.data; No space left on device'),
+    (EnvironmentFault('the TFF worker w exited'), 'the TFF worker w exited'),
+])
+def test_environment_faults_are_recognized(error, expected):
+  try:
+    try:
+      raise error
+    except Exception as e:  # pylint: disable=broad-except
+      raise RuntimeError('wrapped') from e
+  except RuntimeError as wrapped:
+    message = app.environment_fault_message(wrapped)
+  if isinstance(error, EnvironmentFault):
+    assert message == expected
+  else:
+    assert message == expected + RECOVERY
+  assert app.environment_fault_message(ValueError('x')) is None
+  assert app.environment_fault_message(
+      OSError(errno.ENOENT, 'No such file')) is None
