@@ -18,6 +18,8 @@ from pipeline.errors import UsageError
 
 METRICS_FILE = 'metrics.csv'
 ROUND_COLUMN = 'round_num'
+# Wall times: the only columns that differ between runs of the same flags.
+TIMING_COLUMNS = ('round_seconds', 'eval_seconds')
 _EVENTS_PREFIX = 'events.out.tfevents.'
 # A TFRecord is length (8 bytes), its CRC (4), the data, the data's CRC (4).
 _RECORD_FRAMING_BYTES = 16
@@ -68,6 +70,17 @@ def read_metrics(path: str) -> Optional[MetricsLines]:
       raise _damaged(path, f'line {number} is not a row of its columns')
     rounds.append(int(fields[0]))
   return MetricsLines(lines[0], lines[1:], rounds, partial_tail)
+
+
+def comparable_rows(path: str) -> list[dict[str, str]]:
+  """metrics.csv's rows without the timing columns, to compare runs."""
+  import csv  # pylint: disable=g-import-not-at-top
+  with open(path, newline='') as f:
+    rows = list(csv.DictReader(f))
+  for row in rows:
+    for column in TIMING_COLUMNS:
+      row.pop(column, None)
+  return rows
 
 
 def _replace_file(path: str, text: str) -> None:

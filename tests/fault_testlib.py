@@ -2,7 +2,6 @@
 tree digests, read-only and size-limited mounts."""
 
 import contextlib
-import csv
 import fcntl
 import hashlib
 import os
@@ -12,6 +11,7 @@ import sys
 
 import pytest
 
+from pipeline import run_logs
 from preloaded_binary import PreloadedBinary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +21,6 @@ DIGITS_FLAGS = ['--task=digits', '--algorithm=fedavg', '--num_clients=20',
                 '--rounds_per_checkpoint=2']
 FEDRES_FLAGS = ['--task=fedres_logistic', '--algorithm=fedres_avg',
                 '--clients_per_round=4']
-TIMING_COLUMNS = ('round_seconds', 'eval_seconds')
 
 
 def binary_command(module, *args):
@@ -74,12 +73,7 @@ def error_lines(result):
 
 
 def metrics_rows(run_dir):
-  with open(os.path.join(run_dir, 'metrics.csv'), newline='') as f:
-    rows = list(csv.DictReader(f))
-  for row in rows:
-    for column in TIMING_COLUMNS:
-      row.pop(column, None)
-  return rows
+  return run_logs.comparable_rows(os.path.join(run_dir, 'metrics.csv'))
 
 
 def copy_run(source, destination):
