@@ -27,6 +27,7 @@ Every other computation compiles exactly as TFF's pipeline compiles it
 import tensorflow as tf
 from tensorflow_federated.proto.v0 import computation_pb2
 from tensorflow_federated.python.core.backends.native import compiler as native_compiler
+from tensorflow_federated.python.core.backends.test import compiler as secure_intrinsics
 from tensorflow_federated.python.core.environments.tensorflow_backend import compiled_computation_transformations
 from tensorflow_federated.python.core.environments.tensorflow_backend import tensorflow_tree_transformations
 from tensorflow_federated.python.core.impl.compiler import building_blocks
@@ -113,7 +114,12 @@ def compile_for_native_runtime(computation: computation_impl.ConcreteComputation
   TFF's `desugar_and_transform_to_native`, step for step (intrinsics
   replaced by their bodies, call-dominant form, grappler, grappler disabled
   in call ops, cache ids), with `_optimized`'s per-computation grappler.
+  The C++ runtime has no secure-summation protocol: secure sums
+  (`--aggregator=secure`) become the plain sums with bound checks that TFF's
+  test contexts run.
   """
+  computation = secure_intrinsics.replace_secure_intrinsics_with_bodies(
+      computation)
   desugared, _ = tensorflow_tree_transformations.replace_intrinsics_with_bodies(
       computation.to_building_block())
   call_dominant = transformations.to_call_dominant(desugared)
