@@ -16,6 +16,7 @@ from pipeline import driver
 from pipeline.errors import UsageError
 from pipeline import tff_runtime
 from tasks import registry as task_registry
+from tff_algos.aggregation import factories
 from tff_algos.algorithms import round as round_lib
 
 FLAGS = flags.FLAGS
@@ -61,10 +62,13 @@ def load_checkpoint_weights(task):
     round_num = checkpoints.latest_round()
     if round_num is None:
       raise UsageError(f'{run_dir()}/checkpoints has no checkpoint')
+  # The run's aggregator state is part of its checkpoints' structure.
+  aggregator = factories.build(flags_lib.aggregator_settings(task),
+                               FLAGS.clients_per_round)
   process = driver.compose_process(
       definition, task, FLAGS.runtime,
       driver.state_format(definition, FLAGS.client_state_dir or os.path.join(
-          run_dir(), driver.CLIENT_STATE_DIR)))
+          run_dir(), driver.CLIENT_STATE_DIR)), aggregator)
   structure = driver.program_state_structure(
       process, round_num, task.num_train_clients,
       definition.has_client_state)

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -28,6 +28,7 @@ from pipeline import evaluation
 from pipeline import export as export_lib
 from pipeline.errors import UsageError
 from tasks import base
+from tff_algos.aggregation import accounting
 from tff_algos.algorithms import round as round_lib
 from tff_algos.runtime import client_states
 from tff_algos.runtime import cohort
@@ -294,8 +295,15 @@ def write_hparams(run_dir: str, hparams: dict) -> None:
 
 def train(definition: round_lib.RoundDefinition, task: base.Task,
           config: RunConfig, hparams: Optional[dict] = None,
-          model_aggregator=None) -> TrainResult:
-  """Runs (or resumes) `config.total_rounds` rounds; exports the final model."""
+          model_aggregator=None,
+          round_metrics: Optional[Callable[[int], dict]] = None
+          ) -> TrainResult:
+  """Runs (or resumes) `config.total_rounds` rounds; exports the final model.
+
+  `model_aggregator`: a `tff.aggregators` factory for the model update (None:
+  the mean). `round_metrics(round_num)` adds values of the run so far to
+  each round's metrics (e.g. the privacy spent).
+  """
   config.validate(task.num_train_clients)
   run_dir = config.run_dir
   os.makedirs(run_dir, exist_ok=True)
@@ -364,6 +372,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
         keeper.index.commit(plan.client_indices, round_num)
       row = evaluation.flatten_metrics(metrics)
       row['round_seconds'] = time.perf_counter() - started
+      if round_metrics is not None:
+        row.update(round_metrics(round_num))
       last_round = round_num == config.total_rounds
       if round_num % config.rounds_per_eval == 0 or last_round:
         if evaluator is None:
@@ -390,7 +400,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
       if 'eval_seconds' in row:
         tqdm.tqdm.write(f'round {round_num}: ' + ', '.join(
             f'{k}={v:.4g}' for k, v in row.items()
-            if k in ('train/loss',) or k.startswith('eval')))
+            if k in ('train/loss', accounting.EPSILON_METRIC)
+            or k.startswith('eval')))
     weights = round_lib.get_model_weights(server_state)
     if config.export:
       export_dir = export_lib.export_saved_model(

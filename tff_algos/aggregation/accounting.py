@@ -17,6 +17,9 @@ from typing import Optional
 
 import dp_accounting
 
+# The metric of the privacy spent so far, logged every round.
+EPSILON_METRIC = 'privacy/epsilon'
+
 
 @dataclasses.dataclass(frozen=True)
 class DpAccounting:
