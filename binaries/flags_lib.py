@@ -409,6 +409,10 @@ def aggregator_settings(task: task_base.Task) -> factories.AggregatorSettings:
     raise UsageError(f'--aggregator={name} runs only under --runtime=tff (its '
                      'tff.aggregators process is a TFF computation); the '
                      'native runtime runs --aggregator=mean')
+  if name != factories.MEAN and FLAGS.clients_per_group not in (0, 1):
+    raise UsageError(f'--clients_per_group={FLAGS.clients_per_group} does not '
+                     f'apply to --aggregator={name}: it aggregates each '
+                     'client\'s own update, one client per TFF client')
   if name == factories.DP:
     if FLAGS.dp_clients_per_round is None:
       FLAGS.dp_clients_per_round = FLAGS.clients_per_round

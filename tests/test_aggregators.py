@@ -35,7 +35,9 @@ import test_native_runtime
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 CLIENTS_PER_ROUND = 3
-ROUNDS = 2
+# One round per run: the aggregators' equalities hold round by round (their
+# state across rounds is the resume test's).
+ROUNDS = 1
 
 SETTINGS = dict(test_native_runtime.CONFIGS)
 SETTINGS.pop('scaffold_option_1')
@@ -140,14 +142,14 @@ def _direct_epsilon(noise_multiplier, population, sample, rounds, delta):
 def test_epsilon_is_dp_accountings():
   spent = accounting.accounting(1.1, population=500, clients_per_round=20)
   assert spent.target_delta == 1 / 500
-  for rounds in (1, 7, 30):
+  for rounds in (1, 3):
     assert spent.epsilon(rounds) == pytest.approx(
         _direct_epsilon(1.1, 500, 20, rounds, 1 / 500), rel=1e-12)
-  assert spent.epsilon(30) > spent.epsilon(7) > spent.epsilon(1) > 0
+  assert spent.epsilon(30) > spent.epsilon(3) > spent.epsilon(1) > 0
   assert math.isinf(accounting.accounting(0.0, 500, 20).epsilon(3))
 
 
-def test_dp_resume_is_bit_identical(tasks, tmp_path):
+def test_dp_resume_is_bit_identical(tasks, tmp_path, tmp_path_factory):
   # SCAFFOLD: client states too; noise large enough to matter.
   dp = factories.AggregatorSettings(aggregator=factories.DP, clip_norm=0.5,
                                     dp_noise_multiplier=1.0, noise_seed=3)
@@ -156,31 +158,27 @@ def test_dp_resume_is_bit_identical(tasks, tmp_path):
   def epsilon(round_num):
     return {accounting.EPSILON_METRIC: spent.epsilon(round_num)}
 
-  whole = _train('scaffold', tasks, tmp_path / 'whole', dp, total_rounds=3,
+  whole = _train('scaffold', tasks, tmp_path / 'whole', dp, total_rounds=2,
                  round_metrics=epsilon)
-  _train('scaffold', tasks, tmp_path / 'parts', dp, total_rounds=2,
-         rounds_per_checkpoint=1, round_metrics=epsilon)
-  resumed = _train('scaffold', tasks, tmp_path / 'parts', dp, total_rounds=3,
+  first = _train('scaffold', tasks, tmp_path / 'parts', dp, total_rounds=1,
+                 rounds_per_checkpoint=1, round_metrics=epsilon)
+  resumed = _train('scaffold', tasks, tmp_path / 'parts', dp, total_rounds=2,
                    round_metrics=epsilon)
   for got, want in zip(_flat(resumed.server_state), _flat(whole.server_state)):
     np.testing.assert_array_equal(got, want)
-  assert resumed.last_metrics == {
-      k: v for k, v in whole.last_metrics.items()
-      if k in resumed.last_metrics and not k.endswith('_seconds')} | {
-          k: v for k, v in resumed.last_metrics.items()
-          if k.endswith('_seconds')}
-  # Three rounds released noise three times, each with the flags' z.
+  for key, value in whole.last_metrics.items():
+    if not key.endswith('_seconds'):
+      assert resumed.last_metrics[key] == value, key
+  assert whole.last_metrics[accounting.EPSILON_METRIC] == spent.epsilon(2)
+  # Two rounds released noise twice, each with the flags' z.
   numerator = resumed.server_state['aggregator'].query_state.numerator_state
-  assert int(numerator.releases) == 3
+  assert int(numerator.releases) == 2
   assert float(resumed.server_state['aggregator'].dp_event.noise_multiplier
                ) == pytest.approx(1.0)
-  # The noise is there: without it the model differs.
-  noiseless = factories.AggregatorSettings(
-      aggregator=factories.DP, clip_norm=0.5, dp_noise_multiplier=0.0)
-  plain = _train('scaffold', tasks, tmp_path / 'plain', noiseless,
-                 total_rounds=3)
+  # The aggregator (clip, noise) acted: the first round is not the mean's.
+  mean = _mean_run('scaffold', tasks, tmp_path_factory)
   assert any(not np.allclose(a, b) for a, b in zip(
-      _flat(plain.model_weights), _flat(whole.model_weights)))
+      _flat(first.model_weights), _flat(mean.model_weights)))
 
 
 def _train_cli(*args):
@@ -236,6 +234,8 @@ class _Task:
     (('--aggregator=dp', '--dp_noise_multiplier=1'),
      '--clip_norm must be a finite number > 0 with --aggregator=dp'),
     (('--aggregator=robust', '--clip_norm=0'), '--clip_norm must be > 0'),
+    (('--aggregator=secure', '--clients_per_group=4'),
+     '--clients_per_group=4 does not apply to --aggregator=secure'),
 ])
 def test_aggregator_flag_errors(parse_flags, args, error):
   parse_flags(*args)
