@@ -2,7 +2,7 @@
 
 The comparison itself installs pfl and torch in a venv of its own, so it is
 not run here; these check what its figures go through: the lines it parses
-from binaries.benchmark and pfl_benchmark.py, the table it makes, and the
+from benchmarks.rounds and pfl_benchmark.py, the table it makes, and the
 pfl side's sampling and client data.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from benchmarks.peers import compare
 from benchmarks.peers import pfl_benchmark
 
-# binaries.benchmark's lines (benchmark.format_measurement; not imported
+# benchmarks.rounds's lines (benchmark.format_measurement; not imported
 # here, its absl flags would clash with other test modules' in the same
 # process). test_benchmark.py parses a real run's.
 PROJECT_OUTPUT = '''\
