@@ -46,12 +46,12 @@ CONFIG = re.compile(r'^(\d+)x(\d+)(?:\+(\d+))?$')
 SCAFFOLD_STORES = ('disk', 'memory')
 
 
-def parse_project_output(text: str) -> list[dict]:
+def parse_project_output(text: str, mode: str = 'tff') -> list[dict]:
   """The measurements of one (a) mode in benchmarks.rounds's output."""
   records = []
   for line in text.splitlines():
     match = PROJECT_LINE.match(line)
-    if not match or match['mode'] != 'tff':
+    if not match or match['mode'] != mode:
       continue
     records.append(dict(
         side='project', algorithm=match['algorithm'],

@@ -1,5 +1,5 @@
 """Mixed FL as round definitions: Parallel Training, 1-way and 2-way
-Gradient Transfer (papers/002 Algorithms 1 and 2, Appendix A).
+Gradient Transfer ([MixedFL] Algorithms 1 and 2, Appendix A).
 
 The math is in `math`. The central work runs at the server on the round's
 central batches (or on a data-free central loss), once per round: for 1-w GT
@@ -42,12 +42,8 @@ NAMES = (PARALLEL_TRAINING, ONE_WAY_GT, TWO_WAY_GT)
 
 
 @dataclasses.dataclass(frozen=True)
-class OneWayGtSettings:
+class OneWayGtSettings(settings_lib.ClientOptimizerSettings):
   """1-w GT: no central model; clients add the round's central gradient."""
-  client_optimizer: str = settings_lib.client_optimizer()
-  client_learning_rate: float = settings_lib.client_learning_rate()
-  server_optimizer: str = settings_lib.server_optimizer()
-  server_learning_rate: float = settings_lib.server_learning_rate()
   central_batch_size: int = settings_lib.setting(500, 'Mixed FL: |B_c|.')
   federated_weight: float = settings_lib.setting(
       0.5, 'Mixed FL: w_f.', bound=settings_lib.NON_NEGATIVE)
@@ -57,7 +53,7 @@ class OneWayGtSettings:
       False, 'Mixed FL: the sampled (G, B) approximations of eq. 7.')
 
   def __post_init__(self):
-    settings_lib.check(self)
+    super().__post_init__()
     if self.central_batch_size < 1:
       raise settings_lib.SettingError(
           'central_batch_size', f'must be >= 1, got {self.central_batch_size}')
