@@ -7,8 +7,9 @@ one configuration: memory optimization, constant folding, arithmetic, loop
 and function optimization all AGGRESSIVE. Two kinds of computations made it
 log errors, which `compile_for_native_runtime` avoids at their cause:
 
-- A client computation that builds its datasets in its own graph
-  (`tff_algos/dataset_fusion.py`) and trains on them in a loop: the memory
+- A computation that trains in a loop (a group of clients building their
+  datasets in its own graph, `runtime/cohort.py`; mixed FL's central
+  update): the memory
   optimizer at AGGRESSIVE (= HEURISTICS) includes its recomputation
   heuristics, which rewrite the gradient ops inside the training loop so that
   the function optimizer's next pass rejects the graph (`function_optimizer
