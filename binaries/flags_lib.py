@@ -17,6 +17,8 @@ from pipeline import tff_runtime
 from pipeline.errors import UsageError
 from tasks import base as task_base
 from tasks import registry as task_registry
+from tff_algos.aggregation import accounting
+from tff_algos.aggregation import factories
 from tff_algos.algorithms import registry as algorithm_registry
 from tff_algos.algorithms import settings as settings_lib
 
@@ -142,6 +144,35 @@ flags.DEFINE_float('spreadout_weight', 1.0,
                    'movielens: weight of the spreadout term in the client '
                    'loss with --spreadout_on_clients (1 = w_c / w_f of the '
                    'mixed objective with the paper\'s w_f = w_c).')
+
+# Model-update aggregation (tff_algos/aggregation/factories.py).
+flags.DEFINE_enum('aggregator', factories.MEAN, factories.NAMES,
+                  'How the clients\' model updates are aggregated (as '
+                  'tff.learning\'s aggregators): mean (default), robust '
+                  '(clipping and zeroing), dp (Gaussian differential privacy), '
+                  'compression (quantized updates) or secure (secure sum). '
+                  'Any but mean needs --runtime=tff.')
+flags.DEFINE_float('clip_norm', None,
+                   'robust/compression/secure: L2 clip of a client\'s update '
+                   '(unset: tff.learning\'s adaptive norm; inf: no clipping); '
+                   'dp: the fixed clip the noise is scaled to (required).')
+flags.DEFINE_boolean('zeroing', None,
+                     'Zero out updates of extreme norm (tff.learning\'s '
+                     'adaptive zeroing; default: on, off for dp, whose '
+                     'guarantee does not cover its noise-free threshold).')
+flags.DEFINE_float('dp_noise_multiplier', None,
+                   'dp: Gaussian noise stddev over --clip_norm (required).')
+flags.DEFINE_integer('dp_clients_per_round', None,
+                     'dp: denominator of the DP mean (default: '
+                     '--clients_per_round).')
+flags.DEFINE_float('dp_target_delta', None,
+                   'dp: delta of the epsilon logged every round (default: '
+                   '1 / the number of train clients).')
+flags.DEFINE_integer('compression_bits', 8,
+                     'compression: bits of the uniform quantization.')
+AGGREGATOR_FLAGS = ('clip_norm', 'zeroing', 'dp_noise_multiplier',
+                    'dp_clients_per_round', 'dp_target_delta',
+                    'compression_bits')
 
 # Algorithm settings: one flag per field of the algorithms' settings classes.
 
@@ -373,3 +404,46 @@ def algorithm_settings(algorithm: str):
                              for f in dataclasses.fields(settings_class)})
   except settings_lib.SettingError as e:
     raise UsageError(f'--{e}') from e
+
+
+def aggregator_settings(task: task_base.Task) -> factories.AggregatorSettings:
+  """The model-update aggregator of the flags; UsageError if impossible.
+
+  Fills the DP defaults that depend on the run (the mean's denominator, the
+  accountant's delta) into the flags, so hparams.json records them.
+  """
+  name = FLAGS.aggregator
+  app.check_flags_apply(f'aggregator={name}', factories.FIELDS[name],
+                        AGGREGATOR_FLAGS)
+  if name != factories.MEAN and FLAGS.runtime == 'native':
+    raise UsageError(f'--aggregator={name} runs only under --runtime=tff (its '
+                     'tff.aggregators process is a TFF computation); the '
+                     'native runtime runs --aggregator=mean')
+  if name != factories.MEAN and FLAGS.clients_per_group not in (0, 1):
+    raise UsageError(f'--clients_per_group={FLAGS.clients_per_group} does not '
+                     f'apply to --aggregator={name}: it aggregates each '
+                     'client\'s own update, one client per TFF client')
+  if name == factories.DP:
+    if FLAGS.dp_clients_per_round is None:
+      FLAGS.dp_clients_per_round = FLAGS.clients_per_round
+    if FLAGS.dp_target_delta is None:
+      FLAGS.dp_target_delta = accounting.default_delta(
+          task.num_train_clients)
+  try:
+    return factories.AggregatorSettings(
+        noise_seed=FLAGS.seed,
+        **{field: FLAGS[field].value
+           for field in ('aggregator',) + factories.FIELDS[name]})
+  except settings_lib.SettingError as e:
+    raise UsageError(f'--{e}') from e
+
+
+def privacy_metrics(settings: factories.AggregatorSettings,
+                    task: task_base.Task) -> Optional[Callable[[int], dict]]:
+  """round -> {privacy/epsilon: spent after that round}; None without DP."""
+  if settings.aggregator != factories.DP:
+    return None
+  spent = accounting.accounting(
+      settings.dp_noise_multiplier, task.num_train_clients,
+      FLAGS.clients_per_round, settings.dp_target_delta)
+  return lambda round_num: {accounting.EPSILON_METRIC: spent.epsilon(round_num)}

@@ -18,6 +18,7 @@ from pipeline import run_directory
 from pipeline.errors import UsageError
 from pipeline import tff_runtime
 from tasks import registry as task_registry
+from tff_algos.aggregation import factories
 from tff_algos.algorithms import round as round_lib
 from tff_algos.runtime import client_states as client_states_lib
 
@@ -95,9 +96,12 @@ def load_checkpoint(task) -> Checkpoint:
         f'--checkpoint_round={round_num}: {run_dir()}/checkpoints has no '
         f'checkpoint of that round (it has rounds '
         f'{", ".join(map(str, rounds))})')
+  # The run's aggregator state is part of its checkpoints' structure.
+  aggregator = factories.build(flags_lib.aggregator_settings(task),
+                               FLAGS.clients_per_round)
   process = driver.compose_process(
       definition, task, FLAGS.runtime,
-      driver.state_format(definition, _client_state_dir()))
+      driver.state_format(definition, _client_state_dir()), aggregator)
   structure = driver.program_state_structure(
       process, round_num, task.num_train_clients,
       definition.has_client_state)

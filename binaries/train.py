@@ -13,6 +13,7 @@ from pipeline import driver
 from pipeline import run_directory
 from pipeline.errors import UsageError
 from tasks import registry as task_registry
+from tff_algos.aggregation import factories
 from tff_algos.algorithms import registry as algorithm_registry
 
 FLAGS = flags.FLAGS
@@ -56,10 +57,14 @@ def main(argv):
   config = run_config()
   config.validate(task.num_train_clients)
   definition = flags_lib.build_algorithm(task)
+  aggregation = flags_lib.aggregator_settings(task)
   hparams = flags_lib.all_values()
   # Which values came from the task's defaults rather than the command line.
   hparams['task_defaults_applied'] = task_defaults
-  result = driver.train(definition, task, config, hparams)
+  result = driver.train(
+      definition, task, config, hparams,
+      model_aggregator=factories.build(aggregation, config.clients_per_round),
+      round_metrics=flags_lib.privacy_metrics(aggregation, task))
   summary = ', '.join(f'{k}={v:.4f}' for k, v in sorted(
       result.last_metrics.items()) if k.startswith(('train/loss', 'eval')))
   logging.info('finished round %d: %s', result.round_num, summary)

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -28,6 +28,7 @@ from pipeline import export as export_lib
 from pipeline import run_directory
 from pipeline.errors import UsageError
 from tasks import base
+from tff_algos.aggregation import accounting
 from tff_algos.algorithms import round as round_lib
 from tff_algos.runtime import client_states
 from tff_algos.runtime import cohort
@@ -303,20 +304,26 @@ def personal_models_writer(definition: round_lib.RoundDefinition,
 
 def train(definition: round_lib.RoundDefinition, task: base.Task,
           config: RunConfig, hparams: Optional[dict] = None,
-          model_aggregator=None) -> TrainResult:
+          model_aggregator=None,
+          round_metrics: Optional[Callable[[int], dict]] = None
+          ) -> TrainResult:
   """Runs (or resumes) `config.total_rounds` rounds; exports the final model.
 
-  The run directory is locked meanwhile; a resume first checks `hparams`
-  against the run's (`run_directory.check_resume`).
+  `model_aggregator`: a `tff.aggregators` factory for the model update (None:
+  the mean). `round_metrics(round_num)` adds values of the run so far to
+  each round's metrics (e.g. the privacy spent). The run directory is
+  locked meanwhile; a resume first checks `hparams` against the run's
+  (`run_directory.check_resume`).
   """
   config.validate(task.num_train_clients)
   with run_directory.RunLock(config.run_dir):
-    return _train_locked(definition, task, config, hparams, model_aggregator)
+    return _train_locked(definition, task, config, hparams, model_aggregator,
+                         round_metrics)
 
 
 def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                   config: RunConfig, hparams: Optional[dict],
-                  model_aggregator) -> TrainResult:
+                  model_aggregator, round_metrics) -> TrainResult:
   run_dir = config.run_dir
   checkpoints = CheckpointManager(
       os.path.join(run_dir, run_directory.CHECKPOINTS_DIR),
@@ -388,6 +395,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
         keeper.index.commit(plan.client_indices, round_num)
       row = evaluation.flatten_metrics(metrics)
       row['round_seconds'] = time.perf_counter() - started
+      if round_metrics is not None:
+        row.update(round_metrics(round_num))
       last_round = round_num == config.total_rounds
       if round_num % config.rounds_per_eval == 0 or last_round:
         if evaluator is None:
@@ -414,7 +423,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
       if 'eval_seconds' in row:
         tqdm.tqdm.write(f'round {round_num}: ' + ', '.join(
             f'{k}={v:.4g}' for k, v in row.items()
-            if k in ('train/loss',) or k.startswith('eval')))
+            if k in ('train/loss', accounting.EPSILON_METRIC)
+            or k.startswith('eval')))
     weights = round_lib.get_model_weights(server_state)
     if config.export:
       export_lib.export_saved_model(

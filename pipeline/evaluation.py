@@ -45,8 +45,13 @@ def flatten_metrics(metrics: Mapping, prefix: str = '') -> dict[str, float]:
   flat = {}
   for key, value in metrics.items():
     name = f'{prefix}{key}'
+    if hasattr(value, '_asdict'):  # A namedtuple (aggregator states).
+      value = value._asdict()
     if isinstance(value, Mapping):
       flat.update(flatten_metrics(value, name + '/'))
+    elif isinstance(value, (list, tuple)):
+      # Aggregator measurements hold sequences, often empty ones.
+      flat.update(flatten_metrics(dict(enumerate(value)), name + '/'))
     else:
       flat[name] = float(np.asarray(value))
   return flat

@@ -1,4 +1,4 @@
-"""binaries/benchmark.py runs its three measurements and prints its contract.
+"""benchmarks/rounds.py runs its measurements and prints its contract.
 
 Only that it runs: its figures are measurements of this machine, not
 something a test can hold to a bound.
@@ -13,7 +13,7 @@ LAST_LINE = re.compile(r'ratio_tff_over_bound=(\S+) ratio_naive_over_tff=(\S+) '
 
 
 def test_quick_run_prints_the_ratios_line():
-  result = run_binary('binaries.benchmark', '--quick', '--clients_per_round=3',
+  result = run_binary('benchmarks.rounds', '--quick', '--clients_per_round=3',
                       '--population=6')
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
@@ -23,13 +23,13 @@ def test_quick_run_prints_the_ratios_line():
   assert float(tff_over_bound) > 0 and float(naive_over_tff) > 0
   assert int(peak_rss_mb) > 0
   assert lines[-2].startswith('ratio_naive_over_bound=')
-  for mode in ('tff', 'naive', 'bound'):
+  for mode in ('tff', 'native', 'naive', 'bound'):
     assert any(line.strip().startswith(f'{mode} ') and 's/round' in line
                for line in lines), mode
 
 
 def test_negative_thread_count_is_one_clear_error():
-  result = run_binary('binaries.benchmark', '--bound_threads=-1')
+  result = run_binary('benchmarks.rounds', '--bound_threads=-1')
   assert result.returncode == 2
   assert 'error: --bound_threads must be >= 0, got -1' in (
       result.stdout + result.stderr)
@@ -37,7 +37,7 @@ def test_negative_thread_count_is_one_clear_error():
 
 def test_tff_mode_alone_prints_lines_the_peer_comparison_parses():
   from benchmarks.peers import compare  # pylint: disable=import-outside-toplevel
-  result = run_binary('binaries.benchmark', '--quick', '--modes=tff',
+  result = run_binary('benchmarks.rounds', '--quick', '--modes=tff',
                       '--clients_per_round=3', '--population=6')
   assert result.returncode == 0, result.stderr[-3000:]
   records = compare.parse_project_output(result.stdout)
@@ -48,7 +48,26 @@ def test_tff_mode_alone_prints_lines_the_peer_comparison_parses():
 
 
 def test_unknown_mode_is_one_clear_error():
-  result = run_binary('binaries.benchmark', '--modes=tff,fast')
+  result = run_binary('benchmarks.rounds', '--modes=tff,fast')
   assert result.returncode == 2
-  assert 'error: --modes=tff,fast must name some of tff, naive, bound' in (
+  assert 'error: --modes=tff,fast must name some of tff, native, naive, bound' in (
+      result.stdout + result.stderr)
+
+
+def test_scaffold_bound_reads_and_writes_states_and_prints_its_ratio():
+  result = run_binary('benchmarks.rounds', '--quick', '--modes=bound',
+                      '--clients_per_round=3', '--population=6',
+                      '--sweep_clients=3', '--sweep_algorithms=scaffold',
+                      '--rounds=2')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(r'^\s*bound\s+scaffold\s+3 clients:', result.stdout,
+                   re.MULTILINE), result.stdout
+  assert re.search(r'scaffold / fedavg, bound, 3 clients: round time '
+                   r'x[\d.]+, peak RSS x[\d.]+', result.stdout), result.stdout
+
+
+def test_unknown_algorithm_is_one_clear_error():
+  result = run_binary('benchmarks.rounds', '--sweep_algorithms=fedavg,scafold')
+  assert result.returncode == 2
+  assert "error: --sweep_algorithms: 'scafold' is unknown" in (
       result.stdout + result.stderr)

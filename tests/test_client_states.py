@@ -38,10 +38,15 @@ def _format(directory, specs=None):
                                     specs))
 
 
-def test_states_round_trip_by_client_id_and_version(tmp_path):
-  state_format = _format(tmp_path)
+@pytest.mark.parametrize('leaf_dtype', [np.int64, np.float32],
+                         ids=['mixed_dtypes', 'one_dtype'])
+def test_states_round_trip_by_client_id_and_version(tmp_path, leaf_dtype):
+  # One dtype: stored as one flat tensor; mixed: as serialized leaves.
+  state_format = _format(tmp_path, specs={
+      'a': tf.TensorSpec([2, 3], tf.float32),
+      'b': [tf.TensorSpec([4], tf.as_dtype(leaf_dtype))]})
   state = {'a': np.arange(6, dtype=np.float32).reshape(2, 3),
-           'b': [np.array([1, 2, 3, 4], np.int64)]}
+           'b': [np.array([1, 2, 3, 4], leaf_dtype)]}
 
   @tf.function
   def write_then_read(client_id, version):
@@ -54,6 +59,9 @@ def test_states_round_trip_by_client_id_and_version(tmp_path):
     read = write_then_read(tf.constant(client_id), tf.constant(5, tf.int64))
     np.testing.assert_array_equal(read['a'], state['a'])
     np.testing.assert_array_equal(read['b'][0], state['b'][0])
+    assert read['b'][0].dtype == leaf_dtype
+    assert os.path.getsize(state_format.file_path(client_id, 5)) == (
+        client_states.serialized_size(state_format.specs))
     assert os.path.isfile(state_format.file_path(client_id, 5))
     np.testing.assert_array_equal(state_format.load(client_id, 5)['a'],
                                   state['a'])

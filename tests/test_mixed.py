@@ -117,9 +117,11 @@ def reference_central(theta, central_batches, steps, lr, w_c, augmenting):
 
 def reference_round(name, theta, hp, gtilde_c=None, gtilde_f=None,
                     client_batches=CLIENT_BATCHES,
-                    central_batches=CENTRAL_BATCHES):
-  """Next (theta, gtilde_c, gtilde_f) of [MixedFL] Alg. 1 with plain SGD everywhere."""
+                    central_batches=CENTRAL_BATCHES, central_steps=None):
+  """Next (theta, gtilde_c, gtilde_f) of [MixedFL] Alg. 1 with plain SGD
+  everywhere; the central model takes `central_steps` steps (default K)."""
   zeros = np.zeros_like(theta)
+  central_steps = central_steps or hp['K']
   if name == 'mixed_1wgt':
     g_c = hp['w_c'] * mse_gradient(theta, central_batches[0])
     mean_delta, _, _ = reference_federated(theta, hp['eta'], hp['w_f'], g_c,
@@ -128,15 +130,15 @@ def reference_round(name, theta, hp, gtilde_c=None, gtilde_f=None,
   two_way = name == 'mixed_2wgt'
   gtilde_c = gtilde_c if two_way else zeros
   gtilde_f = gtilde_f if two_way else zeros
-  delta_c = reference_central(theta, central_batches, hp['K'], hp['eta_c'],
-                              hp['w_c'], gtilde_f)
+  delta_c = reference_central(theta, central_batches, central_steps,
+                              hp['eta_c'], hp['w_c'], gtilde_f)
   mean_delta, delta_sum, steps_sum = reference_federated(
       theta, hp['eta'], hp['w_f'], gtilde_c, client_batches)
   x_f = theta + hp['eta_s'] * mean_delta
   new_theta = theta + hp['eta_m'] * (delta_c + (x_f - theta))
   if not two_way:
     return new_theta, None, None
-  new_gtilde_c = -delta_c / (hp['eta_c'] * hp['K']) - gtilde_f
+  new_gtilde_c = -delta_c / (hp['eta_c'] * central_steps) - gtilde_f
   new_gtilde_f = -delta_sum / (hp['eta'] * steps_sum) - gtilde_c
   return new_theta, new_gtilde_c, new_gtilde_f
 
@@ -290,6 +292,21 @@ def test_two_way_gradient_transfer_two_rounds(two_way_gt):
   # After round 1, gtilde_c is the mean central gradient and gtilde_f the mean
   # client gradient (no augmentation yet): both non-trivial.
   assert np.linalg.norm(gtilde_c) > 0.01 and np.linalg.norm(gtilde_f) > 0.01
+
+
+def test_central_steps_setting_sets_the_central_models_steps(build):
+  """--central_steps=3 with K=2: three central steps, gtilde_c over three."""
+  algorithm = build(mixed.TWO_WAY_GT, HP, central_steps=3)
+  state, metrics = run_round(algorithm, initial_state(algorithm))
+  assert metrics['central']['num_steps'] == 3
+  theta, gtilde_c, _ = reference_round('mixed_2wgt', INITIAL_THETA, HP,
+                                       np.zeros(3), np.zeros(3),
+                                       central_steps=3)
+  np.testing.assert_allclose(model_theta(algorithm, state), theta, rtol=1e-5)
+  np.testing.assert_allclose(to_theta(state['gtilde_c']), gtilde_c,
+                             rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match='central_steps must be >= 1, got 0'):
+    settings_from(mixed.TWO_WAY_GT, HP, central_steps=0)
 
 
 def test_diagnostics_follow_eq_7(pt, one_way_gt):

@@ -2,7 +2,7 @@
 
 The comparison itself installs pfl and torch in a venv of its own, so it is
 not run here; these check what its figures go through: the lines it parses
-from binaries.benchmark and pfl_benchmark.py, the table it makes, and the
+from benchmarks.rounds and pfl_benchmark.py, the table it makes, and the
 pfl side's sampling and client data.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from benchmarks.peers import compare
 from benchmarks.peers import pfl_benchmark
 
-# binaries.benchmark's lines (benchmark.format_measurement; not imported
+# benchmarks.rounds's lines (benchmark.format_measurement; not imported
 # here, its absl flags would clash with other test modules' in the same
 # process). test_benchmark.py parses a real run's.
 PROJECT_OUTPUT = '''\
@@ -25,6 +25,8 @@ peak RSS   2900 MB (Python 1200, workers 1700), 80 s wall
 peak RSS    800 MB (Python 800, workers 0), 40 s wall
   tff   scaffold     100 clients:   12.500 s/round (rounds: 12.50), \
 peak RSS   3100 MB (Python 1500, workers 1600), 90 s wall
+  native fedavg       100 clients:    0.900 s/round (rounds: 0.90, 0.95), \
+peak RSS    700 MB (Python 700, workers 0), 30 s wall
 | 100 | 0.763 (2900) |
 '''
 
@@ -37,6 +39,9 @@ def test_project_lines_are_parsed():
   assert records[0]['round_seconds'] == [1.31, 1.41]
   assert records[0]['peak_rss_mb'] == 2900
   assert records[1]['seconds_per_round'] == 12.5
+  native = compare.parse_project_output(PROJECT_OUTPUT, 'native')
+  assert [(r['algorithm'], r['seconds_per_round']) for r in native] == [
+      ('fedavg', 0.9)]
 
 
 def test_pfl_result_line_is_parsed():

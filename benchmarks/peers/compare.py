@@ -8,8 +8,9 @@ benchmarks/peers/setup_pfl_venv.sh:
       --clients_per_round=10 --rounds=1                      # does it run
 
 Each pair is A then B, so both sides see the same minutes of the machine:
-  A: this project's benchmark, mode (a) only (the TFF driver):
-     `.venv/bin/python -m binaries.benchmark --modes=tff` measuring FedAvg
+  A: this project's benchmark, one driver mode (--project_mode: native,
+     the in-process runtime, by default; tff: TFF's runtime):
+     `.venv/bin/python -m benchmarks.rounds --modes=native` measuring FedAvg
      and, in its sweep, SCAFFOLD (c_i in the driver's on-disk store);
   B: pfl_benchmark.py in the peer venv, once per pfl configuration
      (--pfl_configs: processes x torch threads [+ DataLoader processes])
@@ -36,21 +37,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 PFL_RESULT_PREFIX = 'PFL_RESULT '
-# binaries.benchmark's line per measurement (benchmark.format_measurement).
+# benchmarks.rounds's line per measurement (benchmark.format_measurement).
 PROJECT_LINE = re.compile(
-    r'^\s*(?P<mode>tff|naive|bound)\s+(?P<algorithm>\S+)\s+(?P<clients>\d+) '
+    r'^\s*(?P<mode>tff|native|naive|bound)\s+(?P<algorithm>\S+)\s+(?P<clients>\d+) '
     r'clients:\s+(?P<seconds>[\d.]+) s/round \(rounds: (?P<rounds>[^)]*)\), '
     r'peak RSS\s+(?P<rss>\d+) MB')
 CONFIG = re.compile(r'^(\d+)x(\d+)(?:\+(\d+))?$')
 SCAFFOLD_STORES = ('disk', 'memory')
 
 
-def parse_project_output(text: str) -> list[dict]:
-  """The (a) measurements in binaries.benchmark's output."""
+def parse_project_output(text: str, mode: str = 'tff') -> list[dict]:
+  """The measurements of one (a) mode in benchmarks.rounds's output."""
   records = []
   for line in text.splitlines():
     match = PROJECT_LINE.match(line)
-    if not match or match['mode'] != 'tff':
+    if not match or match['mode'] != mode:
       continue
     records.append(dict(
         side='project', algorithm=match['algorithm'],
@@ -203,7 +204,8 @@ def _run(command: list[str], what: str) -> str:
 
 def run_project(args, algorithms: list[str]) -> list[dict]:
   sweep = [a for a in algorithms if a != 'fedavg']
-  command = [args.project_python, '-m', 'binaries.benchmark', '--modes=tff',
+  command = [args.project_python, '-m', 'benchmarks.rounds',
+             f'--modes={args.project_mode}',
              f'--clients_per_round={args.clients_per_round}',
              f'--population={args.population}', f'--rounds={args.rounds}',
              f'--warmup_rounds={args.warmup_rounds}',
@@ -212,7 +214,8 @@ def run_project(args, algorithms: list[str]) -> list[dict]:
              '--sweep_clients=' + (str(args.clients_per_round) if sweep
                                    else ''),
              '--sweep_algorithms=' + ','.join(sweep)] + args.project_args
-  records = parse_project_output(_run(command, 'the project benchmark'))
+  records = parse_project_output(_run(command, 'the project benchmark'),
+                                 args.project_mode)
   for record in records:
     print(f'  project {record["algorithm"]:28s}      '
           f'{record["seconds_per_round"]:7.3f} s/round, peak RSS '
@@ -266,8 +269,12 @@ def parse_args(argv):
   parser.add_argument('--pfl_python',
                       default=os.path.join(REPO, '.peers-venv', 'bin',
                                            'python'))
+  parser.add_argument('--project_mode', default='native',
+                      choices=('tff', 'native'),
+                      help="The project's runtime: TFF's or the native one "
+                      '(benchmarks.rounds mode).')
   parser.add_argument('--project_args', default='',
-                      help='Extra flags for binaries.benchmark, e.g. '
+                      help='Extra flags for benchmarks.rounds, e.g. '
                       '"--num_workers=2".')
   parser.add_argument('--output_json', default=None,
                       help='Also write every measurement here.')

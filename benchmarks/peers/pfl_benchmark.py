@@ -3,7 +3,7 @@
 Runs inside the peer venv (benchmarks/peers/setup_pfl_venv.sh), never the
 project's: it imports pfl and torch, nothing of the project.
 
-The workload is `binaries.benchmark`'s: CelebA-shaped synthetic clients
+The workload is `benchmarks.rounds`'s: CelebA-shaped synthetic clients
 (4..16 examples of 84x84x3 each; a brighter mouth band on smiling faces),
 flatten -> Dense(64, relu) -> Dense(1) (1,354,881 parameters), binary
 cross-entropy from logits; a population of --population clients, of which

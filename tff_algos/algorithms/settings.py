@@ -76,6 +76,28 @@ def client_weighting():
                  CLIENT_WEIGHTINGS)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+  """An algorithm whose server applies an optimizer to the mean update."""
+  server_optimizer: str = server_optimizer()
+  server_learning_rate: float = server_learning_rate()
+
+  def __post_init__(self):
+    check(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SgdClientSettings(ServerSettings):
+  """... and whose clients take plain SGD steps of rate eta."""
+  client_learning_rate: float = client_learning_rate()
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientOptimizerSettings(SgdClientSettings):
+  """... or steps of any client optimizer."""
+  client_optimizer: str = client_optimizer()
+
+
 def check(settings) -> None:
   """Validates every field's choices and bounds.
 

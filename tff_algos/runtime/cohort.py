@@ -218,8 +218,8 @@ def clients_per_group(clients_per_round: int, requested: int, runtime: str,
   """Group size of a round: `requested` if set, else chosen for the runtime.
 
   Per-client aggregators need groups of one. TFF's worker runs its clients
-  (here: groups) concurrently, one per core; the native runtime runs groups
-  one after another, so it takes the cohort as one group.
+  (here: groups) concurrently, one per core and partition; the native
+  runtime runs one group per lane (`native_lanes`).
   """
   if per_client:
     if requested not in (0, 1):
@@ -229,9 +229,20 @@ def clients_per_group(clients_per_round: int, requested: int, runtime: str,
   if requested > 0:
     return requested
   if runtime == 'native':
-    return clients_per_round
+    return max(1, -(-clients_per_round // native_lanes()))
   slots = max(1, os.cpu_count() or 1) * _execution_slots()
   return max(1, -(-clients_per_round // slots))
+
+
+def native_lanes() -> int:
+  """Groups the native runtime runs at once: one per CPU core; one on a GPU.
+
+  On a CPU, concurrent groups use the cores that tiny per-client batches
+  leave idle; a GPU runs one group's kernels at a time anyway.
+  """
+  if tf.config.list_logical_devices('GPU'):
+    return 1
+  return max(1, os.cpu_count() or 1)
 
 
 def _execution_slots() -> int:

@@ -95,7 +95,7 @@ def with_client_costs(metrics_, costs):
   GT also the augmenting gradient down); the rest of a payload (metric sums,
   client weight, optimizer hyperparameters) is far smaller than a model.
   Each whole copy is then counted at the size the client needs: the rows its
-  data touches (papers/002 Table 5: 2*n*d for PT, 3*n*d for GT) or, if the
+  data touches ([MixedFL] Table 5: 2*n*d for PT, 3*n*d for GT) or, if the
   client loss needs the full table, all of it (2*N*d for the baseline). The
   augmenting gradient is counted apart, at `central_gradient_floats`: it is
   zero on the variables the central loss does not read (movielens: all but

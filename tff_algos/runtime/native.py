@@ -4,7 +4,8 @@
 `runtime.tff_process`, with the same group computation (`runtime.cohort`),
 without TFF's runtime: TF's own device placement applies (a GPU when TF sees
 one) and no `worker_binary` is started. The cohort runs as the same groups,
-each one compiled call; the groups' sums are added here, as TFF's
+each one compiled call, on one lane (thread) per CPU core as TFF's worker
+runs its clients concurrently; the groups' sums are added here, as TFF's
 federated_sum adds them; the model update is their weighted mean, as
 `tff.federated_mean(value, weight)` computes it. Only the default (mean)
 model aggregator runs here: TFF's other aggregators are TFF computations.
@@ -16,6 +17,7 @@ runtime resumes under the other.
 """
 
 import collections
+import concurrent.futures
 import functools
 from typing import Optional
 
@@ -67,10 +69,14 @@ class NativeProcess:
                state_format: Optional[client_states.StateFormat] = None):
     self._definition = definition
     self._data = data
-    self._run_group = cohort.build_group_update(
+    group_update = cohort.build_group_update(
         definition, graph_mode_dataset_fn(data.client_dataset_fn),
         state_format if definition.has_client_state else None,
-        data.client_cost_fn)(definition.client_context())
+        data.client_cost_fn)
+    # One group computation per concurrent lane, each with its own client
+    # context (models, variables): lanes must not share variables.
+    self._lanes = [group_update(definition.client_context())
+                   for _ in range(cohort.native_lanes())]
     self._initial_state = definition.initial_server_state
     self._broadcast = tf.function(definition.broadcast)
     self._server_update = tf.function(definition.server_update)
@@ -100,10 +106,7 @@ class NativeProcess:
     if before:
       central = self._central_result(state, server_seed)
     message = self._broadcast(state, central)
-    results = [to_numpy(self._run_group(
-        message, tf.constant(round_num, tf.int64),
-        {key: tf.constant(value) for key, value in group.items()}))
-               for group in groups]
+    results = self._run_groups(message, round_num, groups)
     total = _sum(results)
     weight_sum = np.float32(total['weight'])
     aggregates = collections.OrderedDict(
@@ -128,6 +131,29 @@ class NativeProcess:
           total['client_costs'])
       metrics = communication.with_client_costs(metrics, mean_costs)
     return to_numpy(new_state), to_numpy(metrics)
+
+  def _run_groups(self, message, round_num: int, groups) -> list:
+    """Every group's result, in order; lane j runs groups j, j+L, j+2L...
+
+    Lanes run concurrently (TF executes outside Python's GIL), as TFF's
+    worker runs its clients; each group's result depends only on the group,
+    so the sums do not depend on the timing.
+    """
+
+    def run_lane(lane: int):
+      return [(position, to_numpy(self._lanes[lane](
+          message, tf.constant(round_num, tf.int64),
+          {key: tf.constant(value) for key, value in groups[position].items()
+           })))
+              for position in range(lane, len(groups), len(self._lanes))]
+
+    lanes = min(len(self._lanes), len(groups))
+    if lanes <= 1:
+      return [result for _, result in run_lane(0)]
+    with concurrent.futures.ThreadPoolExecutor(lanes) as pool:
+      done = [item for items in pool.map(run_lane, range(lanes))
+              for item in items]
+    return [result for _, result in sorted(done, key=lambda item: item[0])]
 
   def _communication_metrics(self, message, group_result):
     if self._communication is None:

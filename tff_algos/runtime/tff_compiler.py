@@ -7,8 +7,9 @@ one configuration: memory optimization, constant folding, arithmetic, loop
 and function optimization all AGGRESSIVE. Two kinds of computations made it
 log errors, which `compile_for_native_runtime` avoids at their cause:
 
-- A client computation that builds its datasets in its own graph
-  (`tff_algos/dataset_fusion.py`) and trains on them in a loop: the memory
+- A computation that trains in a loop (a group of clients building their
+  datasets in its own graph, `runtime/cohort.py`; mixed FL's central
+  update): the memory
   optimizer at AGGRESSIVE (= HEURISTICS) includes its recomputation
   heuristics, which rewrite the gradient ops inside the training loop so that
   the function optimizer's next pass rejects the graph (`function_optimizer
@@ -27,6 +28,7 @@ Every other computation compiles exactly as TFF's pipeline compiles it
 import tensorflow as tf
 from tensorflow_federated.proto.v0 import computation_pb2
 from tensorflow_federated.python.core.backends.native import compiler as native_compiler
+from tensorflow_federated.python.core.backends.test import compiler as secure_intrinsics
 from tensorflow_federated.python.core.environments.tensorflow_backend import compiled_computation_transformations
 from tensorflow_federated.python.core.environments.tensorflow_backend import tensorflow_tree_transformations
 from tensorflow_federated.python.core.impl.compiler import building_blocks
@@ -113,7 +115,12 @@ def compile_for_native_runtime(computation: computation_impl.ConcreteComputation
   TFF's `desugar_and_transform_to_native`, step for step (intrinsics
   replaced by their bodies, call-dominant form, grappler, grappler disabled
   in call ops, cache ids), with `_optimized`'s per-computation grappler.
+  The C++ runtime has no secure-summation protocol: secure sums
+  (`--aggregator=secure`) become the plain sums with bound checks that TFF's
+  test contexts run.
   """
+  computation = secure_intrinsics.replace_secure_intrinsics_with_bodies(
+      computation)
   desugared, _ = tensorflow_tree_transformations.replace_intrinsics_with_bodies(
       computation.to_building_block())
   call_dominant = transformations.to_call_dominant(desugared)

@@ -136,6 +136,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
 
     @tff.tensorflow.computation(algorithm_state_type, np.int64)
     def central_comp(state, seed):
+      tff_compiler.mark_without_recomputation()  # Trains in a loop.
       elements = (data.server_dataset_fn(seed) if central.uses_data
                   else None)
       return central.run(central.context(), state, elements)
@@ -211,6 +212,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     aggregates = collections.OrderedDict(inputs['aggregates'])
     central_result = inputs.get('central')
     if central is not None and not central.before_clients:
+      tff_compiler.mark_without_recomputation()  # Central training loop.
       elements = (data.server_dataset_fn(inputs['round']['server_seed'])
                   if central.uses_data else None)
       central_result = central.run(central.context(), inputs['state'],

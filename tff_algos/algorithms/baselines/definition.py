@@ -26,15 +26,8 @@ ModelWeights = tff.learning.models.ModelWeights
 
 
 @dataclasses.dataclass(frozen=True)
-class FedAvgSettings:
-  client_optimizer: str = settings_lib.client_optimizer()
-  client_learning_rate: float = settings_lib.client_learning_rate()
-  server_optimizer: str = settings_lib.server_optimizer()
-  server_learning_rate: float = settings_lib.server_learning_rate()
+class FedAvgSettings(settings_lib.ClientOptimizerSettings):
   client_weighting: str = settings_lib.client_weighting()
-
-  def __post_init__(self):
-    settings_lib.check(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +38,8 @@ class FedProxSettings(FedAvgSettings):
 
 
 @dataclasses.dataclass(frozen=True)
-class FedSgdSettings:
-  server_optimizer: str = settings_lib.server_optimizer()
-  server_learning_rate: float = settings_lib.server_learning_rate()
-
-  def __post_init__(self):
-    settings_lib.check(self)
+class FedSgdSettings(settings_lib.ServerSettings):
+  pass
 
 
 def _weighting(name: str) -> tff.learning.ClientWeighting:

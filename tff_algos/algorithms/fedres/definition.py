@@ -1,4 +1,4 @@
-"""FedResNaive, FedResSGD and FedResAvg as round definitions (papers/000
+"""FedResNaive, FedResSGD and FedResAvg as round definitions ([FedRes]
 Algorithms 2-4).
 
 The math is in `math`:
@@ -173,15 +173,15 @@ def _personalization(task: base.Task, settings: FedResSettings,
 
 
 def fedres_naive(task, settings: FedResSettings):
-  """FedResNaive (papers/000 Algorithm 2)."""
+  """FedResNaive ([FedRes] Algorithm 2)."""
   return definition('naive', task, settings)
 
 
 def fedres_sgd(task, settings: FedResSettings):
-  """FedResSGD (papers/000 Algorithm 3)."""
+  """FedResSGD ([FedRes] Algorithm 3)."""
   return definition('sgd', task, settings)
 
 
 def fedres_avg(task, settings: FedResAvgSettings):
-  """FedResAvg, Option I or II (papers/000 Algorithm 4)."""
+  """FedResAvg, Option I or II ([FedRes] Algorithm 4)."""
   return definition('avg', task, settings)

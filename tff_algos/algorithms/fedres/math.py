@@ -1,4 +1,4 @@
-"""TF math of Federated Residual Learning (papers/000, Algorithms 2-4).
+"""TF math of Federated Residual Learning ([FedRes], Algorithms 2-4).
 
 Plain TensorFlow over a `ResidualModel` (a global and a local Keras model
 whose outputs add) and one client's dataset. `definition` declares the

@@ -1,5 +1,5 @@
 """Mixed FL as round definitions: Parallel Training, 1-way and 2-way
-Gradient Transfer (papers/002 Algorithms 1 and 2, Appendix A).
+Gradient Transfer ([MixedFL] Algorithms 1 and 2, Appendix A).
 
 The math is in `math`. The central work runs at the server on the round's
 central batches (or on a data-free central loss), once per round: for 1-w GT
@@ -25,6 +25,7 @@ with `--mixed_diagnostics` `diagnostics/gtilde_squared` and
 
 import collections
 import dataclasses
+from typing import Optional
 
 import tensorflow as tf
 import tensorflow_federated as tff
@@ -41,12 +42,8 @@ NAMES = (PARALLEL_TRAINING, ONE_WAY_GT, TWO_WAY_GT)
 
 
 @dataclasses.dataclass(frozen=True)
-class OneWayGtSettings:
+class OneWayGtSettings(settings_lib.ClientOptimizerSettings):
   """1-w GT: no central model; clients add the round's central gradient."""
-  client_optimizer: str = settings_lib.client_optimizer()
-  client_learning_rate: float = settings_lib.client_learning_rate()
-  server_optimizer: str = settings_lib.server_optimizer()
-  server_learning_rate: float = settings_lib.server_learning_rate()
   central_batch_size: int = settings_lib.setting(500, 'Mixed FL: |B_c|.')
   federated_weight: float = settings_lib.setting(
       0.5, 'Mixed FL: w_f.', bound=settings_lib.NON_NEGATIVE)
@@ -56,7 +53,7 @@ class OneWayGtSettings:
       False, 'Mixed FL: the sampled (G, B) approximations of eq. 7.')
 
   def __post_init__(self):
-    settings_lib.check(self)
+    super().__post_init__()
     if self.central_batch_size < 1:
       raise settings_lib.SettingError(
           'central_batch_size', f'must be >= 1, got {self.central_batch_size}')
@@ -78,6 +75,15 @@ class ParallelTrainingSettings(OneWayGtSettings):
       'sgd', 'Mixed FL: MergeOpt.', settings_lib.OPTIMIZERS)
   merge_learning_rate: float = settings_lib.setting(
       1.0, 'Mixed FL: eta_m.', bound=settings_lib.POSITIVE)
+  central_steps: Optional[int] = settings_lib.setting(
+      None, 'Mixed FL: the central model\'s steps per round (default: K, '
+      '--client_steps, as in the paper).')
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.central_steps is not None and self.central_steps < 1:
+      raise settings_lib.SettingError(
+          'central_steps', f'must be >= 1, got {self.central_steps}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +107,12 @@ def definition(name: str, task, settings) -> round_lib.RoundDefinition:
     raise TypeError(f'{name} takes {SETTINGS[name].__name__}')
   has_central_model = name != ONE_WAY_GT
   keeps_augmenting_gradients = name == TWO_WAY_GT
-  central_steps = (task.data_config.client_steps
-                   if task.data_config is not None else None)
+  central_steps = getattr(settings, 'central_steps', None) or (
+      task.data_config.client_steps if task.data_config is not None else None)
   if has_central_model and central_steps is None:
     raise settings_lib.SettingError(
         'client_steps', f'(K) is needed by --algorithm={name}: its central '
-        'model takes K steps per round')
+        'model takes K steps per round (or set --central_steps)')
   model_fn = task.model_fn
   data_free = task.central_loss_fn is not None
   round_settings = math.RoundSettings(

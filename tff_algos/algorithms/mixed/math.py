@@ -1,4 +1,4 @@
-"""TF math of mixed FL (papers/002 Algorithms 1-2 and Appendix A).
+"""TF math of mixed FL ([MixedFL] Algorithms 1-2 and Appendix A).
 
 Plain TensorFlow over a `tff.learning.models.VariableModel`, lists of weight
 tensors, `tff.learning.optimizers` and datasets; `definition` declares the

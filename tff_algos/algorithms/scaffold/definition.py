@@ -1,4 +1,4 @@
-"""SCAFFOLD and FedPVR as round definitions (papers/004 Alg. 1, papers/003).
+"""SCAFFOLD and FedPVR as round definitions ([SCAFFOLD] Alg. 1, [FedPVR]).
 
 One definition serves both: a mask over the model's trainable variables picks
 those that get control variates (all of them: SCAFFOLD; the last layers:
@@ -29,19 +29,13 @@ from tff_algos.algorithms.scaffold import math
 
 
 @dataclasses.dataclass(frozen=True)
-class ScaffoldSettings:
-  client_learning_rate: float = settings_lib.client_learning_rate()
-  server_optimizer: str = settings_lib.server_optimizer()
-  server_learning_rate: float = settings_lib.server_learning_rate()
+class ScaffoldSettings(settings_lib.SgdClientSettings):
   client_weighting: str = settings_lib.client_weighting()
   scaffold_option: int = settings_lib.setting(
       2, 'SCAFFOLD control variate option: 1 (c_i+ = g_i(x), one extra pass) '
       'or 2 (from the local steps).', math.OPTIONS)
   drift_diversity: bool = settings_lib.setting(
-      False, 'Log drift diversity per layer (papers/003 Definition 1).')
-
-  def __post_init__(self):
-    settings_lib.check(self)
+      False, 'Log drift diversity per layer ([FedPVR] Definition 1).')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +146,11 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
 
 
 def scaffold(task, settings: ScaffoldSettings) -> round_lib.RoundDefinition:
-  """SCAFFOLD (papers/004 Alg. 1): control variates on every variable."""
+  """SCAFFOLD ([SCAFFOLD] Alg. 1): control variates on every variable."""
   return definition('scaffold', task.model_fn, settings,
                     task.num_train_clients)
 
 
 def fedpvr(task, settings: FedPvrSettings) -> round_lib.RoundDefinition:
-  """FedPVR (papers/003 Alg. I): control variates on the last layers."""
+  """FedPVR ([FedPVR] Alg. I): control variates on the last layers."""
   return definition('fedpvr', task.model_fn, settings, task.num_train_clients)

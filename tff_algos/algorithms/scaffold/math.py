@@ -22,7 +22,7 @@ from tff_algos.algorithms import round as round_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 
-# Control-variate options of SCAFFOLD (papers/004 Alg. 1 line 12).
+# Control-variate options of SCAFFOLD ([SCAFFOLD] Alg. 1 line 12).
 OPTION_GRADIENT_AT_SERVER_MODEL = 1  # c_i+ = g_i(x), one extra pass.
 OPTION_FROM_LOCAL_STEPS = 2  # c_i+ = c_i - c + (x - y) / (K_i * eta).
 OPTIONS = (OPTION_GRADIENT_AT_SERVER_MODEL, OPTION_FROM_LOCAL_STEPS)
@@ -246,7 +246,7 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
 
 
 # ----------------------------------------------------------------------------
-# Drift diversity (papers/003 Definition 1).
+# Drift diversity ([FedPVR] Definition 1).
 
 
 def layer_squared_norms(tensors: Sequence[tf.Tensor],

@@ -1,43 +1,50 @@
-"""Cost of a FedAvg round on this project's TFF path vs naive TFF vs plain TF.
+"""Cost of a round: this project's runtimes vs naive TFF vs plain TF.
 
 On a CelebA-shaped synthetic task (84x84x3 images, flatten + Dense(64, relu)
-+ Dense(1); K=--client_steps local steps of --client_batch_size examples),
-times one round three ways on this machine, each in its own process:
++ Dense(1), 1.35M parameters; K=--client_steps local steps of
+--client_batch_size examples), times rounds several ways on this machine,
+each in its own process:
 
-  (a) tff:   this project's driver (pipeline/driver.py) on TFF's C++ runtime,
-             clients passed by id, datasets built inside TFF;
-             `round_seconds` from metrics.csv, so evaluation and
-             checkpointing are left out;
-  (b) naive: `tff.learning.algorithms.build_weighted_fed_avg` fed a Python
-             list of the sampled clients' tf.data datasets each round, as
-             TFF's tutorials do (the datasets are built and serialized into
-             the runtime every round);
-  (c) bound: the same client steps and weighted averaging in-process, no
-             TFF: one tf.function per client update (its dataset built
-             in-graph), the clients spread over one thread per CPU (TFF's
-             worker also runs clients concurrently), then the average; with
-             grappler off, which only costs time here.
+  (a) tff:    this project's driver (pipeline/driver.py) on TFF's C++
+              runtime: clients passed by id, each group of clients one
+              compiled computation that builds their datasets and reads and
+              writes their states itself; `round_seconds` from metrics.csv,
+              so evaluation and checkpointing are left out;
+      native: the same driver and round definition with --runtime=native
+              (in-process TF, the whole cohort one computation);
+  (b) naive:  `tff.learning.algorithms.build_weighted_fed_avg` fed a Python
+              list of the sampled clients' tf.data datasets each round, as
+              TFF's tutorials do (FedAvg only);
+  (c) bound:  the same client steps and server update in-process, no TFF:
+              one tf.function per client update (its dataset built
+              in-graph), the clients spread over one thread per CPU, then
+              the average; with grappler off, which only costs time here.
+              FedAvg, and SCAFFOLD (Option II) with each client's c_i read
+              from and written to a file on local disk, as (a) does.
+
+FedRes runs on the same task with a personal model of 12.5% of the global
+model's size (flatten + Dense(8) + Dense(1)); mixed FL's central data are
+raw clients kept out of the federated population.
 
 The first --warmup_rounds of every run (tracing/compilation) are not timed;
 a run's time per round is the median of the timed rounds. Peak RSS is that
 of the measuring child process plus its TFF worker processes, sampled every
-0.2 s (the two peaks are also printed apart). Then rounds/s of (a) and (c) (and of (b) up to --naive_max_clients)
-versus clients per round, and of (a) for SCAFFOLD (client-state store reads
-and writes included) and mixed_2wgt. The last line is
+0.2 s. The runs: FedAvg at --clients_per_round in every mode, then each of
+--sweep_algorithms at each of --sweep_clients in the modes that run it. Then
+a table of rounds/s (peak RSS), each algorithm's round time and peak RSS over
+FedAvg's in the same mode and cohort size, and, when (a), (b) and (c) ran,
 
   ratio_tff_over_bound=<(a)/(c)> ratio_naive_over_tff=<(b)/(a)> peak_rss_mb=<(a)>
 
-for --clients_per_round clients; the line before it gives
-ratio_naive_over_bound=<(b)/(c)>, the ceiling of (b)/(a) on this task since
-(a) can be no faster than (c).
+for --clients_per_round clients (the line before it gives
+ratio_naive_over_bound=<(b)/(c)>, the ceiling of (b)/(a) on this task).
 
-  python -m binaries.benchmark --quick        # small sizes: ~1 min on an idle machine
-  python -m binaries.benchmark --clients_per_round=100 \
-      --sweep_clients=10,100,1000 --sweep_algorithms=fedavg,mixed_2wgt \
-      --clients_per_subround=100 --rounds=3   # the README table
-  python -m binaries.benchmark --modes=tff --clients_per_round=100 \
-      --sweep_clients=100 --sweep_algorithms=scaffold  # (a) only: FedAvg and
-                                       # SCAFFOLD, as benchmarks/peers runs it
+  python -m benchmarks.rounds --quick        # small sizes: ~2 min idle
+  python -m benchmarks.rounds --modes=tff,native,bound \
+      --clients_per_round=100 --sweep_clients=100 \
+      --sweep_algorithms=fedavg,scaffold,fedres_avg,mixed_2wgt  # README
+  python -m benchmarks.rounds --modes=tff,native --sweep_clients=1000 \
+      --clients_per_subround=100 --sweep_algorithms=...  # 1000 clients
 """
 
 import concurrent.futures
@@ -51,22 +58,22 @@ import tempfile
 import time
 
 from absl import flags
-# Imported before absl parses flags: TF imported later, inside main, builds
-# Keras models as if executing eagerly and fails.
-import tensorflow as tf
 
-from binaries import app
+from binaries import app  # First: imports TensorFlow quietly.
 from binaries import process_memory
 from pipeline.errors import UsageError
+# Imported before absl parses flags: TF imported later, inside main, builds
+# Keras models as if executing eagerly and fails.
+import tensorflow as tf  # pylint: disable=g-bad-import-order
 
 _CLIENTS_PER_ROUND = flags.DEFINE_integer(
     'clients_per_round', 100, 'Clients per round of the headline ratios.')
 _SWEEP_CLIENTS = flags.DEFINE_list(
-    'sweep_clients', ['10', '100', '1000'],
+    'sweep_clients', ['100'],
     'Clients per round of the rounds/s sweep (empty: no sweep).')
 _SWEEP_ALGORITHMS = flags.DEFINE_list(
-    'sweep_algorithms', ['fedavg', 'scaffold', 'mixed_2wgt'],
-    'Algorithms whose driver (a) rounds/s the sweep measures.')
+    'sweep_algorithms', ['fedavg', 'scaffold', 'fedres_avg', 'mixed_2wgt'],
+    'Algorithms the sweep measures, in every mode that runs them.')
 _NAIVE_MAX_CLIENTS = flags.DEFINE_integer(
     'naive_max_clients', 100,
     'The naive baseline (b) is swept only up to this many clients (it '
@@ -90,14 +97,17 @@ _CLIENTS_PER_SUBROUND = flags.DEFINE_integer(
     '(a) and the sweep\'s driver runs: rounds with more clients run as '
     'sub-rounds of at most this many (train.py --num_subrounds), which bounds '
     'the worker\'s memory. 0: no sub-rounds.')
+_CLIENTS_PER_GROUP = flags.DEFINE_integer(
+    'clients_per_group', 0,
+    'Driver runs (a): clients per compiled group (train.py '
+    '--clients_per_group; 0: automatic).')
 _BOUND_THREADS = flags.DEFINE_integer(
     'bound_threads', 0,
     'Threads running (c)\'s clients concurrently (0: one per CPU).')
 _MODES = flags.DEFINE_list(
-    'modes', ['tff', 'naive', 'bound'],
-    'Which of (a) tff, (b) naive and (c) bound to measure, in the headline '
-    'and in the fedavg sweep (the other algorithms\' sweep is (a) only, so '
-    'it needs tff). The ratio lines need all three.')
+    'modes', ['tff', 'native', 'naive', 'bound'],
+    'Which of (a) tff and native, (b) naive and (c) bound to measure. The '
+    'ratio lines need tff, naive and bound.')
 _QUICK = flags.DEFINE_boolean(
     'quick', False,
     'Small sizes (10 clients, 1 timed round, no sweep) to check the '
@@ -109,7 +119,10 @@ _OUTPUT_DIR = flags.DEFINE_string('child_output_dir', None, 'Internal.')
 
 FLAGS = flags.FLAGS
 RESULT_PREFIX = 'BENCHMARK_RESULT '
-MODES = ('tff', 'naive', 'bound')
+MODES = ('tff', 'native', 'naive', 'bound')
+# The algorithms each mode can run (None: every algorithm).
+MODE_ALGORITHMS = {'tff': None, 'native': None, 'naive': ('fedavg',),
+                   'bound': ('fedavg', 'scaffold')}
 CLIENT_LEARNING_RATE = 0.01
 SERVER_LEARNING_RATE = 1.0
 
@@ -134,6 +147,55 @@ def _data_config(algorithm: str):
       })
 
 
+def _local_model() -> tf.keras.Model:
+  """FedRes's personal model here: 12.5% of the global model's size."""
+  from tasks import celeba  # pylint: disable=g-import-not-at-top
+  return tf.keras.Sequential([
+      tf.keras.layers.InputLayer(input_shape=celeba.IMAGE_SHAPE),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(
+          8, activation='relu',
+          kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1)),
+      tf.keras.layers.Dense(1, kernel_initializer='zeros'),
+  ])
+
+
+def _task(algorithm: str):
+  """The CelebA-shaped task; FedRes's gets a personal model of its own."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from tasks import celeba  # pylint: disable=g-import-not-at-top
+  from tasks import registry as tasks  # pylint: disable=g-import-not-at-top
+  from tasks import residual  # pylint: disable=g-import-not-at-top
+  task = tasks.build_task('celeba_smile', _data_config(algorithm))
+  if not algorithm.startswith('fedres'):
+    return task
+  spec = residual.ResidualModelSpec(
+      global_model_fn=celeba.build_keras_model,
+      local_model_fn=_local_model,
+      split_inputs=lambda x: (x, x),
+      input_spec=task.batch_spec[0],
+      loss_fn=task.loss_fn,
+      metrics_fn=task.metrics_fn)
+  return dataclasses.replace(
+      task, residual_spec=spec,
+      keras_model_fn=lambda: residual.global_only_model(spec))
+
+
+def _settings(algorithm: str):
+  """The algorithm's defaults with the benchmark's learning rates."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from tff_algos.algorithms import registry  # pylint: disable=g-import-not-at-top
+  settings_class = registry.settings_class(algorithm)
+  values = dict(client_learning_rate=CLIENT_LEARNING_RATE,
+                server_learning_rate=SERVER_LEARNING_RATE,
+                central_learning_rate=CLIENT_LEARNING_RATE *
+                SERVER_LEARNING_RATE,
+                central_batch_size=_CLIENT_BATCH_SIZE.value *
+                _CHILD_CLIENTS.value)
+  names = {field.name for field in dataclasses.fields(settings_class)}
+  return settings_class(**{k: v for k, v in values.items() if k in names})
+
+
 def _timed(round_seconds: list[float]) -> list[float]:
   return round_seconds[_WARMUP_ROUNDS.value:]
 
@@ -145,36 +207,27 @@ def _num_subrounds() -> int:
   return -(-_CHILD_CLIENTS.value // per_subround)
 
 
-def _run_tff_driver() -> list[float]:
+def _run_driver(runtime: str) -> list[float]:
   """(a): the driver's per-round seconds (eval and checkpoint excluded)."""
   import csv  # pylint: disable=g-import-not-at-top
   from pipeline import driver  # pylint: disable=g-import-not-at-top
   from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
-  from tasks import celeba  # pylint: disable=g-import-not-at-top
-  from tff_algos import registry  # pylint: disable=g-import-not-at-top
-  from tff_algos.config import AlgorithmConfig  # pylint: disable=g-import-not-at-top
-  tff_runtime.configure_execution(_MAX_CONCURRENT_CALLS.value,
-                                  num_workers=_NUM_WORKERS.value,
-                                  num_subrounds=_num_subrounds())
-  algorithm_name = _CHILD_ALGORITHM.value
-  task = celeba.build_task(_data_config(algorithm_name))
-  algorithm = registry.build_algorithm(
-      algorithm_name, task.model_fn, AlgorithmConfig(
-          client_learning_rate=CLIENT_LEARNING_RATE,
-          server_learning_rate=SERVER_LEARNING_RATE,
-          central_learning_rate=CLIENT_LEARNING_RATE * SERVER_LEARNING_RATE,
-          central_steps=_CLIENT_STEPS.value,
-          num_train_clients=task.num_train_clients,
-          clients_per_round=_CHILD_CLIENTS.value), task=task)
+  from tff_algos.algorithms import registry  # pylint: disable=g-import-not-at-top
+  if runtime == 'tff':
+    tff_runtime.configure_execution(_MAX_CONCURRENT_CALLS.value,
+                                    num_workers=_NUM_WORKERS.value,
+                                    num_subrounds=_num_subrounds())
+  algorithm = _CHILD_ALGORITHM.value
+  task = _task(algorithm)
+  definition = registry.build(algorithm, task, _settings(algorithm))
   total_rounds = _WARMUP_ROUNDS.value + _ROUNDS.value
   config = driver.RunConfig(
-      root_output_dir=_OUTPUT_DIR.value, experiment_name=algorithm_name,
+      root_output_dir=_OUTPUT_DIR.value, experiment_name=algorithm,
       total_rounds=total_rounds, clients_per_round=_CHILD_CLIENTS.value,
       rounds_per_eval=total_rounds, rounds_per_checkpoint=total_rounds,
-      # On disk, as for any large population: 373 full-model c_i of 5.4 MB
-      # are 1.9 GB, which the memory store would hold in RAM.
-      client_state_store='sqlite', export=False)
-  driver.train(algorithm, task, config)
+      clients_per_group=_CLIENTS_PER_GROUP.value, export=False,
+      runtime=runtime)
+  driver.train(definition, task, config)
   with open(os.path.join(config.run_dir, 'metrics.csv')) as f:
     return [float(row['round_seconds']) for row in csv.DictReader(f)]
 
@@ -219,10 +272,57 @@ def _run_naive_tff() -> list[float]:
   return seconds
 
 
+class _StateFiles:
+  """(c)'s per-client state: one file per client and round on local disk.
+
+  The same shape of work as the project's store: a client reads the version
+  it last wrote (none: zeros) and writes a new one under the round's folder.
+  """
+
+  def __init__(self, root: str, variables):
+    self._root = root
+    self._shapes = [v.shape for v in variables]
+    self._sizes = [v.shape.num_elements() for v in variables]
+    self._latest = {}  # client index -> the round that wrote its state.
+
+  def path(self, index: int, round_num: int) -> str:
+    return os.path.join(self._root, f'round_{round_num}', f'{index}.state')
+
+  def start_round(self, round_num: int) -> None:
+    os.makedirs(os.path.join(self._root, f'round_{round_num}'), exist_ok=True)
+
+  def read_path(self, index: int) -> str:
+    """'' when the client has no state yet."""
+    if index not in self._latest:
+      return ''
+    return self.path(index, self._latest[index])
+
+  def wrote(self, index: int, round_num: int) -> None:
+    self._latest[index] = round_num
+
+  def read(self, path, zeros):
+    def from_file():
+      flat = tf.io.parse_tensor(tf.io.read_file(path), tf.float32)
+      return [tf.reshape(part, shape) for part, shape in zip(
+          tf.split(flat, self._sizes), self._shapes)]
+    return tf.cond(tf.equal(path, ''), lambda: zeros, from_file)
+
+  @staticmethod
+  def write(path, tensors):
+    flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+    return tf.io.write_file(path, tf.io.serialize_tensor(flat))
+
+
 def _run_plain_tf_bound() -> list[float]:
-  """(c): the same round as one in-process TF loop, no TFF."""
+  """(c): the same round as one in-process TF loop, no TFF.
+
+  FedAvg, or SCAFFOLD (Option II) with each client's c_i read from and
+  written to local disk.
+  """
+  from pipeline import driver  # pylint: disable=g-import-not-at-top
   from tasks import base  # pylint: disable=g-import-not-at-top
   from tasks import celeba  # pylint: disable=g-import-not-at-top
+  scaffold = _CHILD_ALGORITHM.value == 'scaffold'
   config = _data_config('fedavg')
   # No global TF seed: with one, shuffle(seed=<tensor>) inside tf.function
   # fails (TF compares the seed pair to (0, 0) in Python).
@@ -232,6 +332,10 @@ def _run_plain_tf_bound() -> list[float]:
   tf.config.optimizer.set_experimental_options(
       {'disable_meta_optimizer': True})
   global_model = celeba.build_keras_model()
+  server_c = [tf.Variable(tf.zeros_like(v))
+              for v in global_model.trainable_variables]
+  states = _StateFiles(os.path.join(_OUTPUT_DIR.value, 'states'),
+                       global_model.trainable_variables)
   loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
   task = celeba.build_task(config)
   # The very pipeline (a) builds inside TFF, run here in-process.
@@ -244,13 +348,17 @@ def _run_plain_tf_bound() -> list[float]:
     optimizer = tf.keras.optimizers.SGD(CLIENT_LEARNING_RATE)
 
     @tf.function
-    def client_update(client_id, seed):
-      """One client's K steps from the global model; (delta, num_examples)."""
+    def client_update(client_id, seed, read_path, write_path):
+      """K steps from the global model; (delta, delta c_i, num_examples)."""
       for local, server in zip(client_model.trainable_variables,
                                global_model.trainable_variables):
         local.assign(server)
+      if scaffold:
+        client_c = states.read(read_path, [tf.zeros_like(c)
+                                           for c in server_c])
       dataset = client_dataset(client_id, seed)
       num_examples = tf.constant(0.0)
+      steps = tf.constant(0.0)
       # iter(): a tf.while_loop over the iterator, the fastest TF loop here
       # (the driver's LoopImplementation.DATASET_ITERATOR); `for .. in
       # dataset` would run each step inside tf.data's reduce, 3x slower.
@@ -258,59 +366,82 @@ def _run_plain_tf_bound() -> list[float]:
         with tf.GradientTape() as tape:
           loss = loss_fn(labels, client_model(images, training=True))
         gradients = tape.gradient(loss, client_model.trainable_variables)
+        if scaffold:  # The corrected step g - c_i + c.
+          gradients = [g - ci + c for g, ci, c in zip(gradients, client_c,
+                                                      server_c)]
         optimizer.apply_gradients(
             zip(gradients, client_model.trainable_variables))
         num_examples += tf.cast(tf.shape(labels)[0], tf.float32)
+        steps += 1.0
       delta = [local - server for local, server in zip(
           client_model.trainable_variables, global_model.trainable_variables)]
-      return delta, num_examples
+      if not scaffold:
+        return delta, [], num_examples
+      # Option II: c_i+ = c_i - c + (x - y_i) / (K eta_l).
+      new_c = [ci - c - d / (steps * CLIENT_LEARNING_RATE)
+               for ci, c, d in zip(client_c, server_c, delta)]
+      with tf.control_dependencies([states.write(write_path, new_c)]):
+        delta_c = [n - ci for n, ci in zip(new_c, client_c)]
+      return delta, delta_c, num_examples
 
     return client_update
 
   @tf.function
-  def server_update(delta_sums, total_examples):
-    # FedAvg: weighted mean of the deltas, server SGD with rate eta_s.
+  def server_update(delta_sums, total_examples, delta_c_sums):
+    # The weighted mean of the deltas, server SGD with rate eta_s; SCAFFOLD:
+    # c += (|S|/N) * the uniform mean of the c_i deltas.
     for variable, delta_sum in zip(global_model.trainable_variables,
                                    delta_sums):
       variable.assign_add(SERVER_LEARNING_RATE * delta_sum / total_examples)
+    for variable, delta_c_sum in zip(server_c, delta_c_sums):
+      variable.assign_add(delta_c_sum / len(client_ids))
 
   # TFF's worker runs a round's clients concurrently; so does the bound, one
   # thread per core (TF runs ops outside the GIL), else it is no bound.
   num_threads = _BOUND_THREADS.value or os.cpu_count()
   client_updates = [build_client_update() for _ in range(num_threads)]
 
-  def weighted_delta_sums(client_update, clients):
+  def weighted_sums(client_update, clients, round_num):
     delta_sums = [tf.zeros_like(v) for v in global_model.trainable_variables]
+    delta_c_sums = [tf.zeros_like(c) for c in server_c] if scaffold else []
     total_examples = tf.constant(0.0)
-    for client_id, seed in clients:
-      delta, num_examples = client_update(tf.constant(client_id),
-                                          tf.constant(seed, tf.int64))
+    for index, seed in clients:
+      delta, delta_c, num_examples = client_update(
+          tf.constant(client_ids[index]), tf.constant(seed, tf.int64),
+          tf.constant(states.read_path(index)),
+          tf.constant(states.path(index, round_num)))
       delta_sums = [s + d * num_examples for s, d in zip(delta_sums, delta)]
+      delta_c_sums = [s + d for s, d in zip(delta_c_sums, delta_c)]
       total_examples += num_examples
-    return delta_sums, total_examples
+    return delta_sums, delta_c_sums, total_examples
 
-  from pipeline import driver  # pylint: disable=g-import-not-at-top
   seconds = []
   with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
     for round_num in range(1, _WARMUP_ROUNDS.value + _ROUNDS.value + 1):
       started = time.perf_counter()
       plan = driver.plan_round(0, round_num, len(client_ids),
                                _CHILD_CLIENTS.value)
-      clients = [(client_ids[index], seed) for index, seed in zip(
-          plan.client_indices, plan.client_seeds)]
+      clients = list(zip(plan.client_indices, plan.client_seeds))
+      states.start_round(round_num)
       parts = list(pool.map(
-          weighted_delta_sums, client_updates,
-          [clients[t::num_threads] for t in range(num_threads)]))
-      delta_sums = [tf.add_n(list(sums)) for sums in zip(
-          *[part[0] for part in parts])]
-      server_update(delta_sums, tf.add_n([part[1] for part in parts]))
+          weighted_sums, client_updates,
+          [clients[t::num_threads] for t in range(num_threads)],
+          [round_num] * num_threads))
+      delta_sums, delta_c_sums = (
+          [tf.add_n(list(sums)) for sums in zip(*[part[i] for part in parts])]
+          for i in (0, 1))
+      server_update(delta_sums, tf.add_n([part[2] for part in parts]),
+                    delta_c_sums)
+      for index, _ in clients:
+        states.wrote(index, round_num)
       seconds.append(time.perf_counter() - started)
   return seconds
 
 
 def run_child() -> None:
-  runner = {'tff': _run_tff_driver, 'naive': _run_naive_tff,
-            'bound': _run_plain_tf_bound}[_CHILD.value]
+  runner = {'tff': lambda: _run_driver('tff'),
+            'native': lambda: _run_driver('native'),
+            'naive': _run_naive_tff, 'bound': _run_plain_tf_bound}[_CHILD.value]
   seconds = runner()
   print(RESULT_PREFIX + json.dumps({'round_seconds': seconds}), flush=True)
 
@@ -322,13 +453,13 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
   """Runs one child; returns its median timed round and peak RSS."""
   import psutil  # pylint: disable=g-import-not-at-top
   output_dir = tempfile.mkdtemp(prefix='benchmark_')
-  command = [sys.executable, '-m', 'binaries.benchmark', f'--child={mode}',
+  command = [sys.executable, '-m', 'benchmarks.rounds', f'--child={mode}',
              f'--child_clients={clients}', f'--child_algorithm={algorithm}',
              f'--child_output_dir={output_dir}']
   command += [f'--{name}={FLAGS[name].value}' for name in (
       'rounds', 'warmup_rounds', 'client_steps', 'client_batch_size',
       'population', 'max_concurrent_computation_calls', 'num_workers',
-      'clients_per_subround', 'bound_threads')]
+      'clients_per_subround', 'clients_per_group', 'bound_threads')]
   started = time.perf_counter()
   child = subprocess.Popen(command, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True,
@@ -365,7 +496,7 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
 
 def format_measurement(record: dict) -> str:
   """One measurement's line (benchmarks/peers/compare.py parses it)."""
-  return (f'  {record["mode"]:5s} {record["algorithm"]:10s} '
+  return (f'  {record["mode"]:6s} {record["algorithm"]:10s} '
           f'{record["clients"]:5d} clients: '
           f'{record["seconds_per_round"]:8.3f} s/round (rounds: '
           + ', '.join(f'{s:.2f}' for s in record['round_seconds']) +
@@ -398,10 +529,11 @@ def run_parent() -> None:
   if unknown or not modes:
     raise UsageError(f'--modes={",".join(_MODES.value)} must name some of '
                      f'{", ".join(MODES)}')
-  if 'tff' not in modes and any(a != 'fedavg' for a in _SWEEP_ALGORITHMS.value
-                                ) and sweep:
-    raise UsageError('the sweep of algorithms other than fedavg measures (a): '
-                     '--modes must include tff')
+  from tff_algos.algorithms import registry  # pylint: disable=g-import-not-at-top
+  for algorithm in _SWEEP_ALGORITHMS.value:
+    if algorithm not in registry.NAMES:
+      raise UsageError(f'--sweep_algorithms: {algorithm!r} is unknown; '
+                       f'allowed: {", ".join(registry.NAMES)}')
   if _POPULATION.value < largest:
     raise UsageError(f'--population={_POPULATION.value} is below the '
                      f'largest clients per round ({largest})')
@@ -416,33 +548,20 @@ def run_parent() -> None:
   records = list(headline.values())
   for algorithm in _SWEEP_ALGORITHMS.value:
     for clients in sweep:
-      for mode in modes if algorithm == 'fedavg' else ('tff',):
+      for mode in modes:
+        runs = MODE_ALGORITHMS[mode]
+        if runs is not None and algorithm not in runs:
+          continue
         if mode == 'naive' and clients > _NAIVE_MAX_CLIENTS.value:
           continue
         if algorithm == 'fedavg' and clients == _CLIENTS_PER_ROUND.value:
           continue  # The headline runs.
         records.append(measure(mode, clients, algorithm))
-
-  print(f'\nrounds/s (peak RSS MB), K={_CLIENT_STEPS.value}, '
-        f'B={_CLIENT_BATCH_SIZE.value}; load average at the end {_load()}')
-  columns = sorted({(r['algorithm'], r['mode']) for r in records},
-                   key=lambda c: (c[0] != 'fedavg', c[0], MODES.index(c[1])))
-  print('| clients/round | ' + ' | '.join(
-      f'{a} {m}' for a, m in columns) + ' |')
-  print('|---' * (len(columns) + 1) + '|')
-  for clients in sorted({r['clients'] for r in records}):
-    cells = []
-    for algorithm, mode in columns:
-      match = [r for r in records if (r['algorithm'], r['mode'],
-                                      r['clients']) == (algorithm, mode,
-                                                        clients)]
-      cells.append(f'{1 / match[0]["seconds_per_round"]:.3g} '
-                   f'({match[0]["peak_rss_mb"]:.0f})' if match else '-')
-    print(f'| {clients} | ' + ' | '.join(cells) + ' |')
-
-  if len(modes) < len(MODES):
-    return  # The ratio lines compare all three.
-  tff_s, naive_s, bound_s = (headline[m]['seconds_per_round'] for m in MODES)
+  print_summary(records, modes)
+  if not all(m in modes for m in ('tff', 'naive', 'bound')):
+    return  # The ratio lines compare these three.
+  tff_s, naive_s, bound_s = (headline[m]['seconds_per_round']
+                             for m in ('tff', 'naive', 'bound'))
   print(f'\n{_CLIENTS_PER_ROUND.value} clients/round: (a) TFF driver '
         f'{tff_s:.3f} s, (b) naive TFF {naive_s:.3f} s, (c) plain TF '
         f'{bound_s:.3f} s per round; peak RSS (a) '
@@ -456,6 +575,38 @@ def run_parent() -> None:
   print(f'ratio_tff_over_bound={tff_s / bound_s:.3f} '
         f'ratio_naive_over_tff={naive_s / tff_s:.3f} '
         f'peak_rss_mb={headline["tff"]["peak_rss_mb"]:.0f}')
+
+
+def print_summary(records: list[dict], modes: list[str]) -> None:
+  """The rounds/s table and each algorithm's cost over FedAvg's."""
+  print(f'\nrounds/s (peak RSS MB), K={_CLIENT_STEPS.value}, '
+        f'B={_CLIENT_BATCH_SIZE.value}; load average at the end {_load()}')
+  columns = sorted({(r['algorithm'], r['mode']) for r in records},
+                   key=lambda c: (c[0] != 'fedavg', c[0], MODES.index(c[1])))
+  print('| clients/round | ' + ' | '.join(
+      f'{a} {m}' for a, m in columns) + ' |')
+  print('|---' * (len(columns) + 1) + '|')
+  by_key = {(r['algorithm'], r['mode'], r['clients']): r for r in records}
+  for clients in sorted({r['clients'] for r in records}):
+    cells = []
+    for algorithm, mode in columns:
+      found = by_key.get((algorithm, mode, clients))
+      cells.append(f'{1 / found["seconds_per_round"]:.3g} '
+                   f'({found["peak_rss_mb"]:.0f})' if found else '-')
+    print(f'| {clients} | ' + ' | '.join(cells) + ' |')
+  ratios = []
+  for (algorithm, mode, clients), record in sorted(by_key.items()):
+    fedavg = by_key.get(('fedavg', mode, clients))
+    if algorithm == 'fedavg' or fedavg is None:
+      continue
+    ratios.append(
+        f'  {algorithm} / fedavg, {mode}, {clients} clients: round time '
+        f'x{record["seconds_per_round"] / fedavg["seconds_per_round"]:.2f}, '
+        f'peak RSS x{record["peak_rss_mb"] / fedavg["peak_rss_mb"]:.2f} '
+        f'({record["peak_rss_mb"]:.0f} MB)')
+  if ratios:
+    print('\nover FedAvg in the same mode and cohort size:')
+    print('\n'.join(ratios))
 
 
 def main(argv):

@@ -1,0 +1,258 @@
+"""--aggregator: tff.aggregators for every algorithm's model update.
+
+- robust with no clipping (inf) and no zeroing gives exactly the mean's
+  results, and dp without noise and with a clip above every update gives
+  them up to float rounding, for every algorithm (the mean run with groups of
+  one client, as the aggregators run, so float sums add in the same order);
+- dp's epsilon is dp_accounting's, and what the aggregator reports it added;
+- a dp run with noise resumes bit-identically (noise included);
+- DP mixed FL runs end to end through binaries.train on celeba_smile
+  synthetic data and logs epsilon every round;
+- usage errors of the aggregator flags.
+"""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+from absl import flags
+
+from binaries import flags_lib
+from pipeline import driver
+from tasks import base
+from tff_algos.aggregation import accounting
+from tff_algos.aggregation import factories
+from tff_algos.algorithms import registry
+import fedres_testing
+import test_native_runtime
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+CLIENTS_PER_ROUND = 3
+# One round per run: the aggregators' equalities hold round by round (their
+# state across rounds is the resume test's).
+ROUNDS = 1
+
+SETTINGS = dict(test_native_runtime.CONFIGS)
+SETTINGS.pop('scaffold_option_1')
+SETTINGS.update(test_native_runtime.FEDRES_CONFIGS)
+
+
+@pytest.fixture(scope='module')
+def tasks():
+  # K = 2 steps of 2 examples: every client processes 4 examples, so the
+  # example-weighted mean equals the DP (uniform) mean.
+  return {'tiny': test_native_runtime.tiny_task(client_steps=2),
+          'fedres': fedres_testing.linear_task(
+              fedres_testing.client_data(seed=1, sizes=(4, 6, 2, 5)),
+              base.DataConfig(client_batch_size=2, client_steps=2))}
+
+
+def _train(name, tasks, directory, aggregator=None, total_rounds=ROUNDS,
+           rounds_per_checkpoint=ROUNDS, round_metrics=None):
+  task = tasks['fedres' if name.startswith('fedres_') else 'tiny']
+  definition = registry.build(name, task, SETTINGS[name])
+  factory = None if aggregator is None else factories.build(
+      aggregator, CLIENTS_PER_ROUND)
+  config = driver.RunConfig(
+      root_output_dir=str(directory), experiment_name='run',
+      total_rounds=total_rounds, clients_per_round=CLIENTS_PER_ROUND,
+      rounds_per_eval=total_rounds, rounds_per_checkpoint=rounds_per_checkpoint,
+      seed=5, clients_per_group=1, export=False)
+  return driver.train(definition, task, config, model_aggregator=factory,
+                      round_metrics=round_metrics)
+
+
+def _flat(structure):
+  return [np.asarray(v) for v in tf.nest.flatten(structure)]
+
+
+_MEAN_RUNS = {}
+
+
+def _mean_run(name, tasks, tmp_path_factory):
+  if name not in _MEAN_RUNS:
+    _MEAN_RUNS[name] = _train(name, tasks, tmp_path_factory.mktemp('mean'))
+  return _MEAN_RUNS[name]
+
+
+def _assert_same_model_and_metrics(run, reference, **tolerance):
+  exact = not tolerance
+  for got, want in zip(_flat(run.model_weights), _flat(reference.model_weights)):
+    if exact:
+      np.testing.assert_array_equal(got, want)
+    else:
+      np.testing.assert_allclose(got, want, **tolerance)
+  train_metrics = [k for k in reference.last_metrics if k.startswith('train/')]
+  assert train_metrics
+  for key in train_metrics:
+    if exact:
+      assert run.last_metrics[key] == reference.last_metrics[key], key
+    else:
+      assert run.last_metrics[key] == pytest.approx(
+          reference.last_metrics[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize('name', sorted(SETTINGS))
+def test_robust_without_clipping_or_zeroing_is_the_mean(name, tasks,
+                                                        tmp_path_factory):
+  robust = factories.AggregatorSettings(aggregator=factories.ROBUST,
+                                        clip_norm=math.inf, zeroing=False)
+  run = _train(name, tasks, tmp_path_factory.mktemp('robust'), robust)
+  _assert_same_model_and_metrics(run, _mean_run(name, tasks, tmp_path_factory))
+  assert 'aggregator/mean_value' not in run.last_metrics  # Empty ones.
+  assert 'global_model_weights' in run.server_state
+  assert 'aggregator' in run.server_state
+
+
+@pytest.mark.parametrize('name', sorted(SETTINGS))
+def test_dp_without_noise_is_the_mean_up_to_rounding(name, tasks,
+                                                     tmp_path_factory):
+  dp = factories.AggregatorSettings(aggregator=factories.DP, clip_norm=1e6,
+                                    dp_noise_multiplier=0.0)
+  run = _train(name, tasks, tmp_path_factory.mktemp('dp'), dp)
+  reference = _mean_run(name, tasks, tmp_path_factory)
+  _assert_same_model_and_metrics(run, reference, rtol=1e-5, atol=1e-6)
+  # The training moved the model, so the comparison says something.
+  initial = _flat(driver.initial_model_weights(
+      tasks['fedres' if name.startswith('fedres_') else 'tiny'], 5))
+  assert any(not np.allclose(a, b)
+             for a, b in zip(_flat(run.model_weights), initial))
+  assert run.last_metrics['aggregator/dp_query_metrics/clip_norm'] == 1e6
+
+
+def _direct_epsilon(noise_multiplier, population, sample, rounds, delta):
+  # Round by round, as the driver samples: a fixed-size sample without
+  # replacement; replacing one client moves the clipped sum by 2 * clip.
+  accountant = dp_accounting.rdp.RdpAccountant(
+      neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+  for _ in range(rounds):
+    accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+        population, sample, dp_accounting.GaussianDpEvent(
+            noise_multiplier / 2)))
+  return accountant.get_epsilon(delta)
+
+
+def test_epsilon_is_dp_accountings():
+  spent = accounting.accounting(1.1, population=500, clients_per_round=20)
+  assert spent.target_delta == 1 / 500
+  for rounds in (1, 3):
+    assert spent.epsilon(rounds) == pytest.approx(
+        _direct_epsilon(1.1, 500, 20, rounds, 1 / 500), rel=1e-12)
+  assert spent.epsilon(30) > spent.epsilon(3) > spent.epsilon(1) > 0
+  assert math.isinf(accounting.accounting(0.0, 500, 20).epsilon(3))
+
+
+def test_dp_resume_is_bit_identical(tasks, tmp_path, tmp_path_factory):
+  # SCAFFOLD: client states too; noise large enough to matter.
+  dp = factories.AggregatorSettings(aggregator=factories.DP, clip_norm=0.5,
+                                    dp_noise_multiplier=1.0, noise_seed=3)
+  spent = accounting.accounting(1.0, 6, CLIENTS_PER_ROUND)
+
+  def epsilon(round_num):
+    return {accounting.EPSILON_METRIC: spent.epsilon(round_num)}
+
+  whole = _train('scaffold', tasks, tmp_path / 'whole', dp, total_rounds=2,
+                 round_metrics=epsilon)
+  first = _train('scaffold', tasks, tmp_path / 'parts', dp, total_rounds=1,
+                 rounds_per_checkpoint=1, round_metrics=epsilon)
+  resumed = _train('scaffold', tasks, tmp_path / 'parts', dp, total_rounds=2,
+                   round_metrics=epsilon)
+  for got, want in zip(_flat(resumed.server_state), _flat(whole.server_state)):
+    np.testing.assert_array_equal(got, want)
+  for key, value in whole.last_metrics.items():
+    if not key.endswith('_seconds'):
+      assert resumed.last_metrics[key] == value, key
+  assert whole.last_metrics[accounting.EPSILON_METRIC] == spent.epsilon(2)
+  # Two rounds released noise twice, each with the flags' z.
+  numerator = resumed.server_state['aggregator'].query_state.numerator_state
+  assert int(numerator.releases) == 2
+  assert float(resumed.server_state['aggregator'].dp_event.noise_multiplier
+               ) == pytest.approx(1.0)
+  # The aggregator (clip, noise) acted: the first round is not the mean's.
+  mean = _mean_run('scaffold', tasks, tmp_path_factory)
+  assert any(not np.allclose(a, b) for a, b in zip(
+      _flat(first.model_weights), _flat(mean.model_weights)))
+
+
+def _train_cli(*args):
+  return subprocess.run(
+      [sys.executable, '-m', 'binaries.train', *args], cwd=REPO,
+      capture_output=True, text=True, timeout=600)
+
+
+def test_dp_mixed_fl_on_celeba_logs_epsilon_every_round(tmp_path):
+  result = _train_cli(
+      '--task=celeba_smile', '--algorithm=mixed_pt', '--use_synthetic_data',
+      '--experiment_name=dp', f'--root_output_dir={tmp_path}',
+      '--total_rounds=2', '--clients_per_round=4', '--aggregator=dp',
+      '--dp_noise_multiplier=0.8', '--clip_norm=0.3')
+  assert result.returncode == 0, result.stderr
+  with open(tmp_path / 'dp' / 'metrics.csv') as f:
+    rows = list(csv.DictReader(f))
+  assert [int(r['round_num']) for r in rows] == [1, 2]
+  population = 20  # celeba_smile's synthetic train clients.
+  for row in rows:
+    assert float(row[accounting.EPSILON_METRIC]) == pytest.approx(
+        _direct_epsilon(0.8, population, 4, int(row['round_num']),
+                        1 / population), rel=1e-9)
+    assert float(row['aggregator/dp_query_metrics/noise_stddev']
+                 ) == pytest.approx(0.8 * 0.3)
+    assert math.isfinite(float(row['train/loss']))
+  assert 'privacy/epsilon=' in result.stderr + result.stdout
+
+
+@pytest.fixture
+def parse_flags():
+  def parse(*args):
+    FLAGS.unparse_flags()
+    FLAGS(['train', '--task=fedres_toy', '--algorithm=fedavg', *args])
+
+  yield parse
+  FLAGS.unparse_flags()
+
+
+class _Task:
+  num_train_clients = 40
+
+
+@pytest.mark.parametrize('args, error', [
+    (('--aggregator=dp', '--runtime=native', '--dp_noise_multiplier=1',
+      '--clip_norm=1'), '--aggregator=dp runs only under --runtime=tff'),
+    (('--dp_noise_multiplier=1',),
+     '--dp_noise_multiplier does not apply to --aggregator=mean'),
+    (('--aggregator=robust', '--dp_target_delta=0.1'),
+     '--dp_target_delta does not apply to --aggregator=robust'),
+    (('--aggregator=dp', '--clip_norm=1'),
+     '--dp_noise_multiplier is needed by --aggregator=dp'),
+    (('--aggregator=dp', '--dp_noise_multiplier=1'),
+     '--clip_norm must be a finite number > 0 with --aggregator=dp'),
+    (('--aggregator=robust', '--clip_norm=0'), '--clip_norm must be > 0'),
+    (('--aggregator=secure', '--clients_per_group=4'),
+     '--clients_per_group=4 does not apply to --aggregator=secure'),
+])
+def test_aggregator_flag_errors(parse_flags, args, error):
+  parse_flags(*args)
+  with pytest.raises(flags_lib.UsageError, match=error):
+    flags_lib.aggregator_settings(_Task())
+
+
+def test_dp_defaults_are_recorded(parse_flags):
+  parse_flags('--aggregator=dp', '--dp_noise_multiplier=1.5',
+              '--clip_norm=0.2', '--clients_per_round=8', '--seed=4')
+  settings = flags_lib.aggregator_settings(_Task())
+  assert (settings.dp_clients_per_round, settings.dp_target_delta,
+          settings.noise_seed, settings.uses_zeroing) == (8, 1 / 40, 4, False)
+  values = flags_lib.all_values()
+  assert (values['aggregator'], values['dp_clients_per_round'],
+          values['dp_target_delta']) == ('dp', 8, 1 / 40)
+
+
+def test_mean_is_the_runtimes_own():
+  assert factories.build(factories.AggregatorSettings(), 10) is None

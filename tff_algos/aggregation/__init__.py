@@ -1,0 +1,1 @@
+"""Model-update aggregators (tff.aggregators factories) and DP accounting."""
