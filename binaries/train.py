@@ -28,7 +28,8 @@ def run_config() -> driver.RunConfig:
       seed=FLAGS.seed,
       client_state_dir=FLAGS.client_state_dir,
       clients_per_group=FLAGS.clients_per_group,
-      runtime=FLAGS.runtime)
+      runtime=FLAGS.runtime,
+      batched_cohorts=FLAGS.batched_cohorts)
 
 
 def main(argv):

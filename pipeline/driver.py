@@ -29,6 +29,7 @@ from pipeline import export as export_lib
 from pipeline.errors import UsageError
 from tasks import base
 from tff_algos.algorithms import round as round_lib
+from tff_algos.runtime import batched
 from tff_algos.runtime import client_states
 from tff_algos.runtime import cohort
 from tff_algos.runtime import native
@@ -58,6 +59,9 @@ class RunConfig:
   export: bool = True
   # 'tff' (TFF's runtime) or 'native' (in-process TF).
   runtime: str = 'tff'
+  # Native runtime: a group's clients side by side over a client axis
+  # ('auto': on a GPU; `tff_algos.runtime.batched`) or one after another.
+  batched_cohorts: str = 'auto'
 
   @property
   def run_dir(self) -> str:
@@ -85,6 +89,9 @@ class RunConfig:
     if self.runtime not in RUNTIMES:
       raise UsageError(f'--runtime={self.runtime!r} is unknown; allowed: '
                        f'{", ".join(RUNTIMES)}')
+    if self.batched_cohorts not in batched.MODES:
+      raise UsageError(f'--batched_cohorts={self.batched_cohorts!r} is '
+                       f'unknown; allowed: {", ".join(batched.MODES)}')
     if not self.experiment_name or os.sep in self.experiment_name:
       raise UsageError(f'--experiment_name={self.experiment_name!r} must be a '
                        'non-empty name without path separators')
@@ -136,7 +143,7 @@ def state_format(definition: round_lib.RoundDefinition,
 def compose_process(definition: round_lib.RoundDefinition, task: base.Task,
                     runtime: str = 'tff',
                     formats: Optional[client_states.StateFormat] = None,
-                    model_aggregator=None):
+                    model_aggregator=None, batched_cohorts: str = 'auto'):
   """The process the driver runs, on the chosen runtime.
 
   Both have `initialize()` and `next(state, groups, round_num, server_seed)
@@ -158,7 +165,7 @@ def compose_process(definition: round_lib.RoundDefinition, task: base.Task,
     if model_aggregator is not None:
       raise UsageError('--runtime=native runs the mean aggregator only; '
                        'use --runtime=tff for other aggregators')
-    return native.NativeProcess(definition, data, formats)
+    return native.NativeProcess(definition, data, formats, batched_cohorts)
   return tff_process.build(definition, data, formats, model_aggregator)
 
 
@@ -302,7 +309,7 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
 
   formats = state_format(definition, config.state_dir)
   process = compose_process(definition, task, config.runtime, formats,
-                            model_aggregator)
+                            model_aggregator, config.batched_cohorts)
   checkpoints = CheckpointManager(os.path.join(run_dir, 'checkpoints'),
                                   config.checkpoints_to_keep)
   num_indexed = task.num_train_clients if formats else 0

@@ -77,7 +77,8 @@ class NativeProcess:
     dataset_fn = graph_mode_dataset_fn(data.client_dataset_fn)
     side_by_side = batched.group_update_or_none(
         definition, dataset_fn, data.client_cost_fn, batched_cohorts)
-    if side_by_side is not None:
+    self.batched = side_by_side is not None
+    if self.batched:
       # Stateless functions of their inputs: lanes can share one.
       self._lanes = [side_by_side] * cohort.native_lanes()
     else:
