@@ -83,8 +83,8 @@ def group_update_or_none(definition: round_lib.RoundDefinition,
   try:
     return build_group_update(definition, client_dataset_fn, client_cost_fn)
   except Unsupported as reason:
-    logging.info('Batched cohorts: %s; clients run one after another in '
-                 'each group instead.', reason)
+    logging.warning('Batched cohorts: %s; clients run one after another in '
+                    'each group instead.', reason)
     return None
 
 
