@@ -52,6 +52,11 @@ flags.DEFINE_enum('runtime', 'tff', ['tff', 'native'],
                   'Execution runtime: tff (TFF\'s C++ runtime) or native (the '
                   'same TF functions run in-process in TF, so TF places them '
                   'on a GPU if there is one).')
+flags.DEFINE_enum('batched_cohorts', 'auto', ['auto', 'on', 'off'],
+                  'Native runtime: run a group\'s clients side by side over a '
+                  'client axis (auto: when TF sees a GPU) or one after '
+                  'another (FedAvg/FedProx with SGD on Dense models; others '
+                  'run one after another).')
 flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                      'Cap on concurrent calls in the TFF C++ runtime '
                      '(<= 0: no cap).')

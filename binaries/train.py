@@ -35,7 +35,8 @@ def run_config() -> driver.RunConfig:
       client_state_dir=FLAGS.client_state_dir,
       clients_per_group=FLAGS.clients_per_group,
       runtime=FLAGS.runtime,
-      allow_flag_changes=FLAGS.allow_flag_changes)
+      allow_flag_changes=FLAGS.allow_flag_changes,
+      batched_cohorts=FLAGS.batched_cohorts)
 
 
 def main(argv):

@@ -30,6 +30,7 @@ from pipeline.errors import UsageError
 from tasks import base
 from tff_algos.aggregation import accounting
 from tff_algos.algorithms import round as round_lib
+from tff_algos.runtime import batched
 from tff_algos.runtime import client_states
 from tff_algos.runtime import cohort
 from tff_algos.runtime import native
@@ -62,6 +63,9 @@ class RunConfig:
   # Resume even if flags that change results differ from hparams.json's
   # (the changes are recorded there).
   allow_flag_changes: bool = False
+  # Native runtime: a group's clients side by side over a client axis
+  # ('auto': on a GPU; `tff_algos.runtime.batched`) or one after another.
+  batched_cohorts: str = 'auto'
 
   @property
   def run_dir(self) -> str:
@@ -89,6 +93,9 @@ class RunConfig:
     if self.runtime not in RUNTIMES:
       raise UsageError(f'--runtime={self.runtime!r} is unknown; allowed: '
                        f'{", ".join(RUNTIMES)}')
+    if self.batched_cohorts not in batched.MODES:
+      raise UsageError(f'--batched_cohorts={self.batched_cohorts!r} is '
+                       f'unknown; allowed: {", ".join(batched.MODES)}')
     run_directory.run_dir_path(self.root_output_dir, self.experiment_name)
 
 
@@ -138,7 +145,7 @@ def state_format(definition: round_lib.RoundDefinition,
 def compose_process(definition: round_lib.RoundDefinition, task: base.Task,
                     runtime: str = 'tff',
                     formats: Optional[client_states.StateFormat] = None,
-                    model_aggregator=None):
+                    model_aggregator=None, batched_cohorts: str = 'auto'):
   """The process the driver runs, on the chosen runtime.
 
   Both have `initialize()` and `next(state, groups, round_num, server_seed)
@@ -160,7 +167,7 @@ def compose_process(definition: round_lib.RoundDefinition, task: base.Task,
     if model_aggregator is not None:
       raise UsageError('--runtime=native runs the mean aggregator only; '
                        'use --runtime=tff for other aggregators')
-    return native.NativeProcess(definition, data, formats)
+    return native.NativeProcess(definition, data, formats, batched_cohorts)
   return tff_process.build(definition, data, formats, model_aggregator)
 
 
@@ -340,7 +347,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
 
   formats = state_format(definition, config.state_dir)
   process = compose_process(definition, task, config.runtime, formats,
-                            model_aggregator)
+                            model_aggregator, config.batched_cohorts)
   num_indexed = task.num_train_clients if formats else 0
   initial_state = round_lib.set_model_weights(
       process.initialize(), initial_model_weights(task, config.seed))

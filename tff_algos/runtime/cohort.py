@@ -52,20 +52,20 @@ def _add(a, b):
   return tf.nest.map_structure(tf.add, a, b)
 
 
-def _empty_batch(element_spec):
+def empty_batch(element_spec):
   """A batch of no examples with `element_spec`'s structure (a marker's)."""
   return tf.nest.map_structure(
       lambda spec: tf.zeros([0 if d is None else d for d in spec.shape],
                             spec.dtype), element_spec)
 
 
-def _group_stream(client_dataset_fn: Callable, ids: tf.Tensor,
+def group_stream(client_dataset_fn: Callable, ids: tf.Tensor,
                   seeds: tf.Tensor, passes: int) -> tf.data.Dataset:
   """(client index, pass, end-of-pass marker?, batch) of a group, in order."""
 
   def client_elements(index, client_id, seed):
     dataset = client_dataset_fn(client_id, seed)
-    marker_batch = _empty_batch(dataset.element_spec)
+    marker_batch = empty_batch(dataset.element_spec)
     elements = None
     for pass_index in range(passes):
       # Each pass iterates the same dataset again, as a second loop over a
@@ -167,7 +167,7 @@ def build_group_update(definition: round_lib.RoundDefinition,
       current = tf.constant(0, tf.int32)
       # iter(): a while loop over an iterator; a loop over the dataset itself
       # would run every step inside tf.data's reduce, several times slower.
-      for index, pass_index, is_marker, batch in iter(_group_stream(
+      for index, pass_index, is_marker, batch in iter(group_stream(
           client_dataset_fn, group['ids'], group['seeds'], work.passes)):
         # tf.not_equal, not !=: TFF traces its computations in a TF1 graph,
         # where a tensor's == and != compare identities, in Python.

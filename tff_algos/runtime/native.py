@@ -26,6 +26,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_algos.algorithms import round as round_lib
+from tff_algos.runtime import batched
 from tff_algos.runtime import client_states
 from tff_algos.runtime import cohort
 from tff_algos.runtime import communication
@@ -66,17 +67,29 @@ class NativeProcess:
 
   def __init__(self, definition: round_lib.RoundDefinition,
                data: tff_process.DataFunctions,
-               state_format: Optional[client_states.StateFormat] = None):
+               state_format: Optional[client_states.StateFormat] = None,
+               batched_cohorts: str = 'auto'):
+    """`batched_cohorts`: 'auto' runs a group's clients side by side over a
+    client axis on a GPU and one after another on a CPU; 'on'/'off' force
+    either (`runtime.batched`; unsupported rounds keep the loop)."""
     self._definition = definition
     self._data = data
-    group_update = cohort.build_group_update(
-        definition, graph_mode_dataset_fn(data.client_dataset_fn),
-        state_format if definition.has_client_state else None,
-        data.client_cost_fn)
-    # One group computation per concurrent lane, each with its own client
-    # context (models, variables): lanes must not share variables.
-    self._lanes = [group_update(definition.client_context())
-                   for _ in range(cohort.native_lanes())]
+    dataset_fn = graph_mode_dataset_fn(data.client_dataset_fn)
+    side_by_side = batched.group_update_or_none(
+        definition, dataset_fn, data.client_cost_fn, batched_cohorts)
+    self.batched = side_by_side is not None
+    if self.batched:
+      # Stateless functions of their inputs: lanes can share one.
+      self._lanes = [side_by_side] * cohort.native_lanes()
+    else:
+      group_update = cohort.build_group_update(
+          definition, dataset_fn,
+          state_format if definition.has_client_state else None,
+          data.client_cost_fn)
+      # One group computation per concurrent lane, each with its own client
+      # context (models, variables): lanes must not share variables.
+      self._lanes = [group_update(definition.client_context())
+                     for _ in range(cohort.native_lanes())]
     self._initial_state = definition.initial_server_state
     self._broadcast = tf.function(definition.broadcast)
     self._server_update = tf.function(definition.server_update)
