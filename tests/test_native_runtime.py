@@ -114,6 +114,10 @@ CONFIGS = {
                                          server_optimizer='adam',
                                          server_learning_rate=0.05),
     'fedsgd': baselines.FedSgdSettings(server_learning_rate=0.5),
+    # Server momentum: Python-float hyperparameters in the optimizer state.
+    'fedavg_option_server_sgdm': baselines.FedAvgSettings(
+        client_learning_rate=0.3, server_optimizer='sgdm',
+        server_learning_rate=0.5),
     'scaffold': scaffold.ScaffoldSettings(client_learning_rate=0.3,
                                           server_learning_rate=0.9),
     # Option I passes over a client's dataset twice in one computation.

@@ -55,6 +55,23 @@ def graph_mode_dataset_fn(dataset_fn):
   return build
 
 
+def _with_tensor_scalars(fn):
+  """`fn` with Python number leaves of its result made tensors.
+
+  tff.learning's optimizers keep hyperparameters (learning rate, momentum)
+  as Python floats in their state; TFF's type system makes them float32,
+  while numpy would make them float64 and a later step would mix dtypes.
+  """
+
+  def converted(*args):
+    return tf.nest.map_structure(
+        lambda leaf: tf.convert_to_tensor(leaf)
+        if isinstance(leaf, (int, float)) and not isinstance(leaf, bool)
+        else leaf, fn(*args))
+
+  return converted
+
+
 def _sum(structures):
   total = structures[0]
   for structure in structures[1:]:
@@ -90,9 +107,11 @@ class NativeProcess:
       # context (models, variables): lanes must not share variables.
       self._lanes = [group_update(definition.client_context())
                      for _ in range(cohort.native_lanes())]
-    self._initial_state = definition.initial_server_state
+    self._initial_state = _with_tensor_scalars(
+        definition.initial_server_state)
     self._broadcast = tf.function(definition.broadcast)
-    self._server_update = tf.function(definition.server_update)
+    self._server_update = tf.function(
+        _with_tensor_scalars(definition.server_update))
     self._central = None
     if definition.central is not None:
       self._central = tf.function(functools.partial(
