@@ -1,76 +1,85 @@
-"""Shared loop of the FedRes experiment scripts: in-process rounds.
+"""Shared runs of the FedRes experiment scripts: the driver, in-process.
 
-Rounds run through `fedres_native.InProcessRounds` (the TFF process's client
-function and aggregation, parity-tested against it), with the driver's
-seeded sampling and initial weights, client states in the driver's
-`ClientStateStore`, and the personalized evaluation the driver reports as
-`eval_personalized/*`. TFF's per-round overhead would otherwise dominate
-these tiny problems.
+Every run goes through `pipeline.driver.train` on the native runtime
+(`--runtime=native`: the same round definitions as under TFF, run
+in-process, which these tiny problems need: TFF's per-round overhead would
+dominate them), with the driver's seeded sampling, initial weights, client
+states and personalized evaluation (`eval_personalized/*`). A run's
+directory is temporary; what the scripts print comes from the driver's last
+metrics and, for loss curves, its metrics.csv.
 """
 
+import contextlib
+import csv
+import io
+import os
+import tempfile
 from typing import Optional
 
-import numpy as np
 import tensorflow as tf
-import tensorflow_federated as tff
 
-from pipeline import client_store as client_store_lib
 from pipeline import driver
-from pipeline import evaluation
 from tasks import base
-from tff_algos import fedres_eval
-from tff_algos import fedres_native
-from tff_algos.config import AlgorithmConfig
+from tff_algos.algorithms import registry
+from tff_algos.algorithms.fedres import definition as fedres
+
+PERSONALIZED_LOSS = 'eval_personalized/loss'
 
 
 def disable_graph_optimizer() -> None:
   """Turns off Grappler for this process.
 
-  These models are a handful of weights; TF re-optimizes the client step
-  graphs whenever a client's dataset iterator is created, which is most of
-  the time of a round. Results do not depend on it.
+  These models are a handful of weights; optimizing their round graphs
+  takes longer than running them. Results do not depend on it.
   """
   tf.config.optimizer.set_experimental_options(
       {'disable_meta_optimizer': True})
 
 
-def run_fedres(variant: str, task: base.Task, config: AlgorithmConfig,
+def settings(algorithm: str, client_learning_rate: float,
+             local_learning_rate: float, option: int = 1,
+             alpha: float = 1.0, fit_unseen: bool = False):
+  """The settings of `algorithm` (fedres_naive, fedres_sgd or fedres_avg)."""
+  common = dict(client_learning_rate=client_learning_rate,
+                local_learning_rate=local_learning_rate,
+                fedres_fit_unseen=fit_unseen)
+  if algorithm == 'fedres_avg':
+    return fedres.FedResAvgSettings(fedres_option=option, fedres_alpha=alpha,
+                                    **common)
+  return fedres.FedResSettings(**common)
+
+
+def _history(run_dir: str, every: int) -> list[tuple[int, float]]:
+  """(round, personalized loss) of the rounds that are multiples of
+  `every`, from the run's metrics.csv."""
+  with open(os.path.join(run_dir, 'metrics.csv'), newline='') as f:
+    rows = list(csv.DictReader(f))
+  return [(int(row['round_num']), float(row[PERSONALIZED_LOSS]))
+          for row in rows
+          if row.get(PERSONALIZED_LOSS) and int(row['round_num']) % every == 0]
+
+
+def run_fedres(algorithm: str, task: base.Task, algorithm_settings,
                rounds: int, clients_per_round: Optional[int] = None,
                seed: int = 0, eval_every: int = 0) -> dict:
-  """Trains `fedres_<variant>`; returns final metrics (and a loss history).
+  """Trains `algorithm` through the driver; returns its final metrics.
 
-  Returns {'history': [(round, personalized loss)], 'eval_personalized/...',
-  'eval/...' (global model alone)}.
+  Returns the driver's metrics of the last round ('eval_personalized/...',
+  'eval/...' of the global model alone, 'train/...') and 'history': [(round,
+  personalized loss)] every `eval_every` rounds (empty if 0).
   """
-  runner = fedres_native.InProcessRounds(variant, task, config)
-  weights = driver.initial_model_weights(task, seed)
-  state = runner.initialize()
-  state['global_model_weights'] = tff.learning.models.ModelWeights(
-      trainable=[np.asarray(w) for w in weights.trainable], non_trainable=[])
-  store = client_store_lib.ClientStateStore(runner.initial_client_state)
-  evaluator = fedres_eval.PersonalizedEvaluator(
-      task.residual_spec, task.personal_eval_data,
-      config.local_learning_rate, config.fedres_fit_unseen)
-  ids = task.train_client_ids
-  clients_per_round = clients_per_round or len(ids)
-  history = []
-
-  def personalized():
-    return evaluator(state['global_model_weights'].trainable, store,
-                     lambda s: s['local_model'])
-
-  for round_num in range(1, rounds + 1):
-    plan = driver.plan_round(seed, round_num, len(ids), clients_per_round)
-    sampled = [ids[i] for i in plan.client_indices]
-    datasets = [task.personal_eval_data.train_dataset_fn(c, s)
-                for c, s in zip(sampled, plan.client_seeds)]
-    state, new_states, _ = runner.next(state, datasets, store.read(sampled))
-    store.write(round_num, sampled, new_states)
-    if eval_every and round_num % eval_every == 0:
-      history.append((round_num, personalized()['loss']))
-  results = {f'eval_personalized/{k}': v for k, v in personalized().items()}
-  global_only = evaluation.Evaluator(task)(state['global_model_weights'])
-  results.update(global_only)
-  results['history'] = history
-  store.close()
+  definition = registry.build(algorithm, task, algorithm_settings)
+  with tempfile.TemporaryDirectory() as root:
+    config = driver.RunConfig(
+        root_output_dir=root, experiment_name=algorithm, total_rounds=rounds,
+        clients_per_round=clients_per_round or task.num_train_clients,
+        rounds_per_eval=eval_every or rounds, rounds_per_checkpoint=rounds,
+        seed=seed, export=False, runtime='native')
+    # The driver reports each evaluation on stdout; the scripts print
+    # their own tables there.
+    with contextlib.redirect_stdout(io.StringIO()):
+      result = driver.train(definition, task, config)
+    results = dict(result.last_metrics)
+    results['history'] = (_history(config.run_dir, eval_every)
+                          if eval_every else [])
   return results

@@ -12,17 +12,21 @@ per algorithm (FedResAvg-II: eta from the grid, lambda from {0.1, 0.01}),
 chosen on an independent replicate of the problem (seed + 1: other
 W*, Theta_i*, data) and reported on the main seed.
 
-Rounds run in-process (`fedres_native`; parity-tested against the TFF
-process). FedAvg is FedResAvg-I with lambda = 0 (theta stays at its zero
-start): FedAvg with client SGD and server step 1, clients weighted equally
-(they have equal sizes). SCAFFOLD is FedResAvg-II with lambda = 0, i.e.
-SCAFFOLD Option II under full participation (digest_fedres.md 2.A). The
-script cross-checks the FedAvg number against tff.learning's FedAvg run
-through the driver at the chosen learning rate (equal up to batch order:
-FedRes's Step 2 takes the second pass over a client's reshuffled data).
+Runs go through the driver on the native runtime (in-process; the same
+rounds as under TFF). FedAvg is FedResAvg-I with lambda = 0 (theta stays
+at its zero start): FedAvg with client SGD and server step 1, clients
+weighted equally (they have equal sizes). SCAFFOLD is FedResAvg-II with
+lambda = 0, i.e. SCAFFOLD Option II under full participation
+(digest_fedres.md 2.A). The script cross-checks the FedAvg number against
+the fedavg algorithm (tff.learning's FedAvg computation) run through the
+driver on TFF's runtime at the chosen learning rate (equal up to batch
+order: FedRes's Step 2 takes the second pass over a client's reshuffled
+data).
 """
 
 import argparse
+import contextlib
+import io
 import tempfile
 
 from pipeline import tff_runtime
@@ -42,22 +46,22 @@ def _task(heterogeneity: float, seed: int):
 
 
 def _candidates():
-  """algorithm -> [(variant, option, eta, lambda)] to try."""
+  """algorithm -> [(algorithm, option, eta, lambda)] to try."""
   return {
-      'FedAvg': [('avg', 1, eta, 0.0) for eta in GRID],
-      'SCAFFOLD': [('avg', 2, eta, 0.0) for eta in GRID],
-      'FedResAvg-II': [('avg', 2, eta, lam) for eta in GRID
+      'FedAvg': [('fedres_avg', 1, eta, 0.0) for eta in GRID],
+      'SCAFFOLD': [('fedres_avg', 2, eta, 0.0) for eta in GRID],
+      'FedResAvg-II': [('fedres_avg', 2, eta, lam) for eta in GRID
                        for lam in LOCAL_GRID],
   }
 
 
 def _run(task, candidate, rounds, seed):
   from experiments import fedres_common  # pylint: disable=g-import-not-at-top
-  from tff_algos.config import AlgorithmConfig  # pylint: disable=g-import-not-at-top
-  variant, option, eta, lam = candidate
-  config = AlgorithmConfig(client_learning_rate=eta, local_learning_rate=lam,
-                           fedres_option=option, fedres_alpha=1.0)
-  results = fedres_common.run_fedres(variant, task, config, rounds, seed=seed)
+  algorithm, option, eta, lam = candidate
+  settings = fedres_common.settings(algorithm, eta, lam, option=option,
+                                    alpha=1.0)
+  results = fedres_common.run_fedres(algorithm, task, settings, rounds,
+                                     seed=seed)
   # With lambda = 0, theta stays 0 and the personalized model is the global
   # one; FedRes reports its personalized evaluation.
   return (results['eval_personalized/loss'],
@@ -65,17 +69,20 @@ def _run(task, candidate, rounds, seed):
 
 
 def _driver_fedavg(task, eta, rounds, seed):
-  """eval/loss of tff.learning's FedAvg through the driver."""
-  from pipeline import driver  # pylint: disable=g-import-not-at-top
-  from tff_algos import registry  # pylint: disable=g-import-not-at-top
-  from tff_algos.config import AlgorithmConfig  # pylint: disable=g-import-not-at-top
-  algorithm = registry.build_algorithm('fedavg', task.model_fn, AlgorithmConfig(
+  """eval/loss of the fedavg algorithm through the driver on TFF's runtime."""
+  # pylint: disable=g-import-not-at-top
+  from pipeline import driver
+  from tff_algos.algorithms import registry
+  from tff_algos.algorithms.baselines import definition as baselines
+  # pylint: enable=g-import-not-at-top
+  algorithm = registry.build('fedavg', task, baselines.FedAvgSettings(
       client_learning_rate=eta, server_learning_rate=1.0))
   with tempfile.TemporaryDirectory() as root:
-    result = driver.train(algorithm, task, driver.RunConfig(
-        root_output_dir=root, experiment_name='fedavg', total_rounds=rounds,
-        clients_per_round=task.num_train_clients, rounds_per_eval=rounds,
-        rounds_per_checkpoint=rounds, seed=seed, export=False))
+    with contextlib.redirect_stdout(io.StringIO()):
+      result = driver.train(algorithm, task, driver.RunConfig(
+          root_output_dir=root, experiment_name='fedavg', total_rounds=rounds,
+          clients_per_round=task.num_train_clients, rounds_per_eval=rounds,
+          rounds_per_checkpoint=rounds, seed=seed, export=False))
   return result.last_metrics['eval/loss']
 
 
@@ -109,7 +116,7 @@ def main():
       if name == 'FedAvg' and not args.skip_driver_check:
         driver_loss = _driver_fedavg(test_task, best[2], args.rounds,
                                      args.seed)
-        print(f'{"":>5} {"(FedAvg check: tff.learning FedAvg via the driver,":>13}'
+        print(f'{"":>5} {"(FedAvg check: fedavg via the driver on TFF,":>13}'
               f' same eta: test loss {driver_loss:.4f})', flush=True)
 
 

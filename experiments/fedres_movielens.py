@@ -9,10 +9,10 @@ same sampling, K local steps of batch 16, client learning rate eta and server
 step 1. Printed on the held-out ratings:
 - FedAvg: RMSE of the global model (movie embedding + genres);
 - FedResAvg-II: RMSE of each user's personalized model (global model + the
-  user's genre-to-offset model theta_i from the client store; users never
+  user's genre-to-offset model theta_i from the client states; users never
   sampled get theta fitted for K steps on their train ratings), and of its
   global model alone.
-Run directories (metrics.csv, export/ with the local-model store) stay under
+Run directories (metrics.csv, export/ with the local models) stay under
 --root_output_dir.
 """
 
@@ -36,37 +36,38 @@ def main():
   args = parser.parse_args()
   tff_runtime.configure_execution()
   # pylint: disable=g-import-not-at-top
+  from experiments import fedres_common
   from pipeline import driver
   from tasks import base
   from tasks import registry as task_registry
-  from tff_algos import registry
-  from tff_algos.config import AlgorithmConfig
+  from tff_algos.algorithms import registry
   # pylint: enable=g-import-not-at-top
 
   task = task_registry.build_task('movielens_ratings', base.DataConfig(
       client_steps=args.client_steps, client_batch_size=16,
       eval_batch_size=1024, seed=args.seed,
       options={'movielens_dir': args.movielens_dir}))
-  config = AlgorithmConfig(
-      client_learning_rate=args.client_learning_rate,
-      local_learning_rate=args.local_learning_rate, fedres_option=2,
-      fedres_alpha=1.0, fedres_fit_unseen=True,
-      num_train_clients=task.num_train_clients,
-      clients_per_round=args.clients_per_round)
+
+  def settings(name):
+    if name.startswith('fedres_'):
+      return fedres_common.settings(
+          name, args.client_learning_rate, args.local_learning_rate,
+          option=2, alpha=1.0, fit_unseen=True)
+    return registry.settings_class(name)(
+        client_learning_rate=args.client_learning_rate)
+
   print(f'movielens_ratings: {task.num_train_clients} users, '
         f'{args.rounds} rounds x {args.clients_per_round} users, '
         f'K={args.client_steps}, batch 16, eta={args.client_learning_rate}, '
         f'lambda={args.local_learning_rate}', flush=True)
   for name in args.algorithms.split(','):
-    algorithm = registry.build_algorithm(name, task.model_fn, config,
-                                         task=task)
+    algorithm = registry.build(name, task, settings(name))
     run = driver.RunConfig(
         root_output_dir=args.root_output_dir,
         experiment_name=f'{name}_seed{args.seed}', total_rounds=args.rounds,
         clients_per_round=args.clients_per_round,
         rounds_per_eval=max(1, args.rounds // 4),
-        rounds_per_checkpoint=max(1, args.rounds // 4), seed=args.seed,
-        client_state_store='sqlite')
+        rounds_per_checkpoint=max(1, args.rounds // 4), seed=args.seed)
     metrics = driver.train(algorithm, task, run).last_metrics
     line = (f'{name:>11}: global-only RMSE {metrics["eval/rmse"]:.4f} '
             f'(MAE {metrics["eval/mae"]:.4f})')

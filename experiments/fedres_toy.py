@@ -14,11 +14,11 @@ import argparse
 
 from pipeline import tff_runtime
 
-ALGORITHMS = {  # column -> (variant, fedres_option)
-    'FedResNaive': ('naive', 1),
-    'FedResSGD': ('sgd', 1),
-    'FedResAvg-I': ('avg', 1),
-    'FedResAvg-II': ('avg', 2),
+ALGORITHMS = {  # column -> (algorithm, fedres_option)
+    'FedResNaive': ('fedres_naive', 1),
+    'FedResSGD': ('fedres_sgd', 1),
+    'FedResAvg-I': ('fedres_avg', 1),
+    'FedResAvg-II': ('fedres_avg', 2),
 }
 LEARNING_RATE = 0.01  # eta = lambda, as in the paper.
 
@@ -26,19 +26,19 @@ LEARNING_RATE = 0.01  # eta = lambda, as in the paper.
 def toy_losses(k: int, rounds: int, seed: int = 0, eval_every: int = 0):
   """{algorithm: run results} on fedres_toy with K = k."""
   # Imports here so `--help` does not load TensorFlow.
-  from experiments import fedres_common  # pylint: disable=g-import-not-at-top
-  from tasks import base  # pylint: disable=g-import-not-at-top
-  from tasks import fedres_synthetic  # pylint: disable=g-import-not-at-top
-  from tff_algos.config import AlgorithmConfig  # pylint: disable=g-import-not-at-top
-  task = fedres_synthetic.build_toy_task(
-      base.DataConfig(client_steps=k, client_batch_size=1, seed=seed))
+  # pylint: disable=g-import-not-at-top
+  from experiments import fedres_common
+  from tasks import base
+  from tasks import registry as task_registry
+  # pylint: enable=g-import-not-at-top
+  task = task_registry.build_task('fedres_toy', base.DataConfig(
+      client_steps=k, client_batch_size=1, seed=seed))
   results = {}
-  for name, (variant, option) in ALGORITHMS.items():
-    config = AlgorithmConfig(
-        client_learning_rate=LEARNING_RATE, local_learning_rate=LEARNING_RATE,
-        fedres_option=option, fedres_alpha=1.0)
+  for name, (algorithm, option) in ALGORITHMS.items():
+    settings = fedres_common.settings(algorithm, LEARNING_RATE, LEARNING_RATE,
+                                      option=option, alpha=1.0)
     results[name] = fedres_common.run_fedres(
-        variant, task, config, rounds, seed=seed, eval_every=eval_every)
+        algorithm, task, settings, rounds, seed=seed, eval_every=eval_every)
   return results
 
 

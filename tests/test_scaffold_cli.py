@@ -18,8 +18,8 @@ experiments/scaffold_digits.py). Checked:
     0.7388 vs 0.7393, both near the regularized optimum, about 0.733;
     numpy simulations of the same setting outside the repository, seeds 0
     and 1: FedAvg 1.44-1.47 vs 0.91-0.92, SCAFFOLD 0.739-0.740 vs 0.736);
-  - a SCAFFOLD run with --client_state_store=sqlite stopped after 3 rounds and
-    resumed to 6 ends with exactly (bit for bit) the model and c of the
+  - a SCAFFOLD run (c_i in the on-disk client-state files) stopped after 3
+    rounds and resumed to 6 ends with exactly (bit for bit) the model and c of the
     uninterrupted run;
   - flag errors: one UsageError naming the flag, nothing written.
 """
@@ -86,7 +86,7 @@ def fedavg_run(root):
 @pytest.fixture(scope='module')
 def scaffold_run(root):
   return _run_cli(root, 'scaffold', '--algorithm=scaffold',
-                  '--client_state_store=sqlite', f'--total_rounds={ROUNDS}')
+                  f'--total_rounds={ROUNDS}')
 
 
 def test_fedpvr_without_mask_equals_fedavg_on_the_cli(root, fedavg_run):
@@ -152,7 +152,7 @@ def test_resumed_scaffold_run_equals_uninterrupted_run(root, scaffold_run):
   late = {i for r in (4, 5, 6) for i in driver.plan_round(
       0, r, 100, 20).client_indices}
   assert early & late
-  args = ('--algorithm=scaffold', '--client_state_store=sqlite')
+  args = ('--algorithm=scaffold',)
   _run_cli(root, 'scaffold_resumed', *args, f'--total_rounds={ROUNDS // 2}')
   resumed_run = _run_cli(root, 'scaffold_resumed', *args,
                          f'--total_rounds={ROUNDS}')
