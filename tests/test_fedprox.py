@@ -208,3 +208,42 @@ def test_zero_proximal_strength_equals_fedavg_exactly(task, runtime):
   assert not np.array_equal(
       round_lib.get_model_weights(with_term[-1][0]).trainable[0],
       round_lib.get_model_weights(fedavg[-1][0]).trainable[0])
+
+
+# FedAvg and FedSGD are declared as round definitions of their own (steps of
+# a compiled group); they compute what tff.learning's builders compute.
+@pytest.mark.parametrize('name', ['fedavg', 'fedsgd'])
+def test_fedavg_and_fedsgd_equal_tff_learnings_builders(two_client_task, name):
+  if name == 'fedavg':
+    tff_process = tff.learning.algorithms.build_weighted_fed_avg(
+        _model_fn,
+        client_optimizer_fn=tff.learning.optimizers.build_sgdm(ETA),
+        server_optimizer_fn=tff.learning.optimizers.build_adam(0.05),
+        client_weighting=tff.learning.ClientWeighting.NUM_EXAMPLES)
+    definition = baselines.fedavg(_model_fn, baselines.FedAvgSettings(
+        client_learning_rate=ETA, server_optimizer='adam',
+        server_learning_rate=0.05))
+  else:
+    tff_process = tff.learning.algorithms.build_fed_sgd(
+        _model_fn,
+        server_optimizer_fn=tff.learning.optimizers.build_sgdm(0.5))
+    definition = baselines.fedsgd(_model_fn, baselines.FedSgdSettings(
+        server_learning_rate=0.5))
+  tff_state = tff_process.initialize()
+  process = driver.compose_process(definition, two_client_task, 'tff')
+  state = process.initialize()
+  for _ in range(2):
+    tff_output = tff_process.next(tff_state, _client_datasets())
+    tff_state = tff_output.state
+    state, metrics = round_testing.run_round(process, state, CLIENT_IDS)
+    for ours, theirs in zip(
+        round_lib.get_model_weights(state).trainable,
+        tff_state.global_model_weights.trainable):
+      np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs),
+                                 rtol=1e-6, atol=1e-7)
+    tff_train = tff_output.metrics['client_work']['train']
+    assert float(metrics['train']['loss']) == pytest.approx(
+        float(tff_train['loss']), rel=1e-6)
+    assert int(metrics['train']['num_examples']) == int(
+        tff_train['num_examples'])
+  assert _kernel(state) != _kernel(process.initialize())

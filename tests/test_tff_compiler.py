@@ -20,6 +20,8 @@ from tensorflow_federated.python.core.impl.context_stack import context_stack_im
 from tensorflow_federated.python.tensorflow_libs import serialization_utils
 
 from pipeline import driver
+from tasks import base
+from tasks import registry as task_registry
 from tff_algos.algorithms import registry
 from tff_algos.runtime import tff_compiler
 
@@ -102,10 +104,15 @@ def test_computations_compile_as_tff_compiles_them(capfd, algorithm_name):
     assert NO_FETCH_ERROR in tff_log
 
 
+@pytest.mark.time_limit(900)
 def test_group_computations_compile_without_errors(capfd):
-  # FedAvg's group update (the loop over the group's clients and their
-  # batches) is where TFF's configuration makes the function optimizer fail.
-  process = _process(test_native_runtime.tiny_task(client_steps=3), 'fedavg')
+  # The CelebA-shaped model's group update (the loop over the group's clients
+  # and their batches) is where TFF's configuration makes the function
+  # optimizer fail.
+  task = task_registry.build_task('celeba_smile', base.DataConfig(
+      client_steps=2, use_synthetic_data=True,
+      options=dict(celeba_mode='federated')))
+  process = _process(task, 'fedavg')
   capfd.readouterr()
   tff_native_compiler.desugar_and_transform_to_native(process.next_computation)
   tff_log = capfd.readouterr().err

@@ -37,13 +37,15 @@ NON_NEGATIVE = 'non_negative'
 
 def setting(default: Any, help_text: str,
             choices: Optional[Sequence[Any]] = None,
-            bound: Optional[str] = None) -> Any:
+            bound: Optional[str] = None, role: str = '') -> Any:
   """A settings field: its default, flag help and allowed values.
 
   `bound` is POSITIVE or NON_NEGATIVE for numbers that must be finite and
-  > 0 or >= 0.
+  > 0 or >= 0; `role` says what the value is in its bound's error.
   """
   metadata = {'help': help_text}
+  if role:
+    metadata['role'] = role
   if choices is not None:
     metadata['choices'] = tuple(choices)
   if bound is not None:
@@ -58,7 +60,8 @@ def client_optimizer():
 
 
 def client_learning_rate():
-  return setting(0.01, 'Client learning rate eta.', bound=POSITIVE)
+  return setting(0.01, 'Client learning rate eta.', bound=POSITIVE,
+                 role='the step size of the client_optimizer')
 
 
 def server_optimizer():
@@ -112,14 +115,15 @@ def check(settings) -> None:
                          + ', '.join(str(c) for c in choices))
     bound = field.metadata.get('bound')
     if bound == POSITIVE:
-      positive(field.name, value)
+      positive(field.name, value, field.metadata.get('role', ''))
     elif bound == NON_NEGATIVE:
       non_negative(field.name, value)
 
 
-def positive(name: str, value: float) -> None:
+def positive(name: str, value: float, role: str = '') -> None:
   if not (math.isfinite(value) and value > 0):
-    raise SettingError(name, f'must be a finite number > 0, got {value}')
+    role = f' ({role})' if role else ''
+    raise SettingError(name, f'must be a finite number > 0{role}, got {value}')
 
 
 def non_negative(name: str, value: float) -> None:

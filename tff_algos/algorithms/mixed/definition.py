@@ -90,6 +90,20 @@ class ParallelTrainingSettings(OneWayGtSettings):
 class TwoWayGtSettings(ParallelTrainingSettings):
   """2-w GT: PT plus augmenting gradients kept in the server state."""
 
+  def __post_init__(self):
+    super().__post_init__()
+    # Its augmenting gradients are -delta / (eta * steps): the mean gradient
+    # only for plain SGD steps ([MixedFL] App. A.2).
+    not_sgd = [f'--{name}={getattr(self, name)}'
+               for name in ('client_optimizer', 'central_optimizer')
+               if getattr(self, name) != 'sgd']
+    if not_sgd:
+      raise settings_lib.SettingError(
+          'algorithm', f'={TWO_WAY_GT} needs plain SGD as --client_optimizer '
+          'and --central_optimizer (its augmenting gradients are recovered '
+          'from the deltas of plain SGD steps; docs/mixed_fl.md); got '
+          + ', '.join(not_sgd))
+
 
 SETTINGS = {PARALLEL_TRAINING: ParallelTrainingSettings,
             ONE_WAY_GT: OneWayGtSettings, TWO_WAY_GT: TwoWayGtSettings}
@@ -111,8 +125,8 @@ def definition(name: str, task, settings) -> round_lib.RoundDefinition:
       task.data_config.client_steps if task.data_config is not None else None)
   if has_central_model and central_steps is None:
     raise settings_lib.SettingError(
-        'client_steps', f'(K) is needed by --algorithm={name}: its central '
-        'model takes K steps per round (or set --central_steps)')
+        'algorithm', f'={name} needs --client_steps (K): its central model '
+        'takes K steps per round')
   model_fn = task.model_fn
   data_free = task.central_loss_fn is not None
   round_settings = math.RoundSettings(
