@@ -185,7 +185,7 @@ def _with_dropout():
   return tf.keras.Sequential([
       tf.keras.layers.InputLayer(input_shape=FEATURES),
       tf.keras.layers.Flatten(),
-      tf.keras.layers.Dropout(0.0),
+      tf.keras.layers.Dropout(0.0, name='dropout'),
       tf.keras.layers.Dense(1)])
 
 

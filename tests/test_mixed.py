@@ -450,7 +450,7 @@ def test_baseline_communication_bytes(data):
 
 
 @pytest.mark.parametrize('client_steps, settings, name', [
-    (None, dict(), 'client_steps'),
+    (None, dict(), 'algorithm'),
     (2, dict(central_weight=-1.0), 'central_weight'),
     (2, dict(central_optimizer='nope'), 'central_optimizer'),
     (2, dict(merge_learning_rate=0.0), 'merge_learning_rate'),
