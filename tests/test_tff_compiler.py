@@ -27,7 +27,6 @@ from tff_algos.runtime import tff_compiler
 
 import test_native_runtime
 
-FUNCTION_OPTIMIZER_ERROR = 'function_optimizer failed'
 NO_FETCH_ERROR = 'Failed to detect the fetch node(s)'
 
 
