@@ -38,6 +38,9 @@ SYNTHETIC_TRAIN_CLIENTS = 60
 SYNTHETIC_TEST_CLIENTS = 12
 
 
+_PIXELS_PER_IMAGE = int(np.prod(IMAGE_SHAPE))
+
+
 def _synthetic_client_examples(client_id: tf.Tensor) -> tf.data.Dataset:
   """Deterministic fake CelebA examples for one client id.
 
@@ -51,9 +54,15 @@ def _synthetic_client_examples(client_id: tf.Tensor) -> tf.data.Dataset:
   attributes = tf.random.stateless_uniform(
       [num_examples, len(tff.simulation.datasets.celeba.ATTRIBUTE_NAMES)],
       seed + 1) < 0.5
-  images = tf.random.stateless_uniform(
-      tf.concat([[num_examples], tf.constant(IMAGE_SHAPE, tf.int64)], 0), seed + 2, minval=0,
-      maxval=200, dtype=tf.int64)
+  image_shape = tf.concat([[num_examples], tf.constant(IMAGE_SHAPE, tf.int64)],
+                          0)
+  # Pixels in 0..199 from random bytes (four per 32-bit draw): drawing each
+  # pixel as an int64 took a fifth of a benchmark round's CPU time.
+  random_words = tf.random.stateless_uniform(
+      [num_examples * _PIXELS_PER_IMAGE // 4], seed + 2, minval=None,
+      maxval=None, dtype=tf.uint32)
+  random_bytes = tf.reshape(tf.bitcast(random_words, tf.uint8), image_shape)
+  images = tf.bitwise.right_shift(tf.cast(random_bytes, tf.int64) * 200, 8)
   mouth_rows = tf.reshape(
       tf.cast((tf.range(84) >= 52) & (tf.range(84) < 72), tf.int64),
       [1, 84, 1, 1])

@@ -136,7 +136,6 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   masked_specs_, unmasked_specs = split_masked(trainable_specs, mask)
 
   def start(model, message, client_state):
-    del client_state
     weights = ModelWeights.from_model(model)
     tf.nest.map_structure(lambda v, t: v.assign(t), weights,
                           message['global_model_weights'])
@@ -145,7 +144,10 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         num_examples=tf.constant(0, tf.int64),
         # Tuples, not lists: a loop would stack a list into one tensor.
         optimizer_state=(client_optimizer.initialize(tuple(unmasked_specs))
-                         if has_unmasked else ()))
+                         if has_unmasked else ()),
+        # c - c_i, the same at every step: computed once per client.
+        correction=tuple(c - ci for c, ci in zip(
+            message['control_variate'], client_state['control_variate'])))
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       carry['gradient_sums'] = tuple(zeros_like_specs(masked_specs_))
       carry['gradient_examples'] = tf.constant(0.0)
@@ -178,16 +180,15 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     return carry
 
   def train_step(model, message, client_state, carry, batch):
+    del message, client_state
     trainable = list(ModelWeights.from_model(model).trainable)
     masked_vars, unmasked_vars = split_masked(trainable, mask)
-    corrections = [c - ci for c, ci in zip(message['control_variate'],
-                                           client_state['control_variate'])]
     with tf.GradientTape() as tape:
       output = model.forward_pass(batch, training=True)
     gradients = tape.gradient(output.loss, trainable)
     masked_grads, unmasked_grads = split_masked(gradients, mask)
     for variable, gradient, correction in zip(masked_vars, masked_grads,
-                                              corrections):
+                                              carry['correction']):
       variable.assign_sub(learning_rate * (gradient + correction))
     optimizer_state = carry['optimizer_state']
     if has_unmasked:
@@ -210,17 +211,17 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     num_steps = carry['num_steps']
     trained = num_steps > 0
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
-      new_cv = [tf.where(trained, g, ci)
-                for g, ci in zip(carry['gradient_at_x'], client_cv)]
+      new_cv = _unless_untrained(trained, lambda: list(carry['gradient_at_x']),
+                                 client_cv)
     else:
       steps_times_lr = tf.cast(num_steps, tf.float32) * learning_rate
       masked_delta, _ = split_masked(model_delta, mask)
       # c_i+ = c_i - c + (x - y) / (K_i * eta); x - y = -delta.
-      new_cv = [tf.where(trained, ci - c - d / tf.maximum(steps_times_lr,
-                                                            learning_rate),
-                         ci)
-                for ci, c, d in zip(client_cv, message['control_variate'],
-                                    masked_delta)]
+      new_cv = _unless_untrained(
+          trained,
+          lambda: [ci - c - d / steps_times_lr for ci, c, d in zip(
+              client_cv, message['control_variate'], masked_delta)],
+          client_cv)
     weight = (tf.constant(1.0) if uniform_weighting else
               tf.cast(carry['num_examples'], tf.float32))
     measurements = collections.OrderedDict()
@@ -243,6 +244,16 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
                   lambda model, message, client_state, carry: carry),
         finish=finish)
   return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish)
+
+
+def _unless_untrained(trained: tf.Tensor, new_fn, old: Sequence[tf.Tensor]
+                      ) -> list[tf.Tensor]:
+  """new_fn()'s tensors if the client trained, else `old` (a client without
+  data keeps c_i). A cond, not a where: a where is one more pass over the
+  weights."""
+  if not old:
+    return []
+  return tf.cond(trained, new_fn, lambda: list(old))
 
 
 # ----------------------------------------------------------------------------
