@@ -120,6 +120,27 @@ def test_recovery_removes_uncommitted_rounds_and_gc_keeps_checkpoints(
           [state_format.file_path('2', 3), path])
 
 
+def test_a_replaced_state_goes_at_commit_unless_a_kept_checkpoint_names_it(
+    tmp_path):
+  state_format = _format(tmp_path)
+  for client_id, version in (('0', 1), ('1', 1), ('2', 2), ('3', 2)):
+    _write(state_format, client_id, version)
+  # Round 3 replaced clients 0..3's versions 1, 1, 2, -1; a kept checkpoint
+  # names client 1's version 1 and another client 3's version 2 (which is
+  # not what it replaced).
+  kept = [np.array([-1, 1, -1, -1]), np.array([-1, -1, -1, 2])]
+  deleted = client_states.delete_superseded(
+      state_format, ['0', '1', '2', '3'], np.array([1, 1, 2, -1]), kept)
+  assert deleted == 2
+  assert not os.path.exists(state_format.file_path('0', 1))
+  assert not os.path.exists(state_format.file_path('2', 2))
+  assert os.path.exists(state_format.file_path('1', 1))
+  assert os.path.exists(state_format.file_path('3', 2))
+  # Already gone: nothing to do, no error.
+  assert client_states.delete_superseded(
+      state_format, ['0'], np.array([1]), []) == 0
+
+
 # ---------------------------------------------------------------------------
 # Runs of the binary: kills, damage, older checkpoints.
 

@@ -27,7 +27,9 @@ with the server state. So:
 - a resumed run reads exactly the files of the checkpoint's index, so it is
   bit-identical to an uninterrupted run;
 - files are garbage-collected when no kept checkpoint's index names them
-  (`collect_garbage`), so an older kept checkpoint stays resumable;
+  (`collect_garbage`), so an older kept checkpoint stays resumable; a state
+  a client replaces goes as soon as the round commits, unless a kept
+  checkpoint names it (`delete_superseded`);
 - memory is O(train clients) for the index, whatever the number of clients
   ever sampled; states are only ever held one client at a time.
 
@@ -257,6 +259,28 @@ def collect_garbage(directory: str, kept_indexes: Sequence[StateIndex],
         deleted += 1
     if not os.listdir(path):
       os.rmdir(path)
+  return deleted
+
+
+def delete_superseded(state_format: StateFormat, client_ids: Sequence[str],
+                      replaced_versions: Sequence[int],
+                      kept_versions: Sequence[np.ndarray]) -> int:
+  """Deletes the replaced states of `client_ids` no kept checkpoint names.
+
+  `kept_versions`: per kept checkpoint, the versions it names for the same
+  clients. Returns the number of files deleted.
+  """
+  deleted = 0
+  for position, (client_id, version) in enumerate(
+      zip(client_ids, replaced_versions, strict=True)):
+    if version < 0 or any(versions[position] == version
+                          for versions in kept_versions):
+      continue
+    try:
+      os.remove(state_format.file_path(client_id, int(version)))
+      deleted += 1
+    except FileNotFoundError:
+      pass
   return deleted
 
 
