@@ -71,3 +71,15 @@ def test_unknown_algorithm_is_one_clear_error():
   assert result.returncode == 2
   assert "error: --sweep_algorithms: 'scafold' is unknown" in (
       result.stdout + result.stderr)
+
+
+def test_state_files_times_first_visits_and_revisits():
+  result = run_binary('benchmarks.state_files', '--clients_per_round=4',
+                      '--rounds=2')
+  assert result.returncode == 0, result.stderr[-3000:]
+  for case in ('first visits', 'revisits'):
+    assert re.search(rf'^  {case} +[0-9.]+ s/round', result.stdout,
+                     re.MULTILINE), result.stdout
+  bad = run_binary('benchmarks.state_files', '--clients_per_round=0')
+  assert bad.returncode == 2
+  assert 'error: --clients_per_round must be >= 1, got 0' in bad.stderr

@@ -1,0 +1,115 @@
+"""What the client-state store alone costs a round: the floor under
+SCAFFOLD's round time over FedAvg's.
+
+Times the store's own TF read and write (`tff_algos/runtime/client_states`)
+of a full-model state (the benchmark's CelebA model: 1,354,881 float32
+weights, 5.4 MB) for a round's clients, with no training, split over one
+thread per core as the native runtime runs its groups:
+
+- `first visits`: each round's clients write states that did not exist
+  before (the store grows by a cohort's states a round, as in the first
+  rounds of a population much larger than the cohort: every new byte needs
+  a fresh page-cache page);
+- `revisits`: the same clients every round, each replacing its previous
+  state, which is deleted when the round commits (as the driver does), so
+  the writes reuse the pages the deletions freed.
+
+  .venv/bin/python -m benchmarks.state_files [--clients_per_round=100]
+"""
+
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+from absl import flags
+
+from binaries import app  # First: imports TensorFlow quietly.
+from pipeline.errors import UsageError
+
+_CLIENTS = flags.DEFINE_integer('clients_per_round', 100, 'Clients a round.')
+_ROUNDS = flags.DEFINE_integer('rounds', 5, 'Timed rounds per case.')
+_WARMUP = flags.DEFINE_integer('warmup_rounds', 1, 'Untimed first rounds.')
+
+# The benchmark model's trainable variables (benchmarks.rounds).
+SHAPES = ((84 * 84 * 3, 64), (64,), (64, 1), (1,))
+
+
+def _round_function(state_format, clients: int):
+  """One thread's share of a round: read, change and write `clients` states
+  (ids as an input, so every round runs the same traced graph)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  @tf.function
+  def run(client_ids, read_version, write_version):
+    done = []
+    for i in range(clients):
+      state = state_format.read(client_ids[i], read_version)
+      # A new value (as a client's update makes): not the bytes read.
+      new_state = tf.nest.map_structure(lambda t: t + 1.0, state)
+      done.append(state_format.write(client_ids[i], write_version, new_state))
+    with tf.control_dependencies(done):
+      return tf.constant(0)
+
+  return run
+
+
+def _time_case(directory: str, revisit: bool, threads: int) -> list[float]:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tff_algos.runtime import client_states  # pylint: disable=g-import-not-at-top
+  specs = [tf.TensorSpec(shape, tf.float32) for shape in SHAPES]
+  state_format = client_states.StateFormat(
+      directory, specs, lambda: [tf.zeros(s.shape) for s in specs])
+  shares = [len(range(t, _CLIENTS.value, threads)) for t in range(threads)]
+  functions = [_round_function(state_format, n) for n in shares]
+  seconds = []
+  for round_num in range(1, _WARMUP.value + _ROUNDS.value + 1):
+    first = 0 if revisit else (round_num - 1) * _CLIENTS.value
+    ids = [f'client_{first + i}' for i in range(_CLIENTS.value)]
+    read = tf.constant(np.int64(round_num - 1 if revisit and round_num > 1
+                                else -1))
+    write = tf.constant(np.int64(round_num))
+    started = time.perf_counter()
+    workers = [threading.Thread(target=function, args=(
+        tf.constant(ids[t::threads]), read, write))
+               for t, function in enumerate(functions)]
+    for worker in workers:
+      worker.start()
+    for worker in workers:
+      worker.join()
+    if revisit and round_num > 1:  # The driver's commit.
+      client_states.delete_superseded(
+          state_format, ids, np.full(len(ids), round_num - 1), [])
+    seconds.append(time.perf_counter() - started)
+  return seconds[_WARMUP.value:]
+
+
+def main(argv):
+  del argv
+  for flag in (_CLIENTS, _ROUNDS):
+    if flag.value < 1:
+      raise UsageError(f'--{flag.name} must be >= 1, got {flag.value}')
+  if _WARMUP.value < 0:
+    raise UsageError(f'--warmup_rounds must be >= 0, got {_WARMUP.value}')
+  threads = os.cpu_count() or 1
+  size_mb = sum(math.prod(shape) for shape in SHAPES) * 4 / 1e6
+  print(f'state files: {_CLIENTS.value} clients a round, {size_mb:.1f} MB '
+        f'a state, {threads} threads, {_ROUNDS.value} timed rounds')
+  for revisit in (False, True):
+    directory = tempfile.mkdtemp(prefix='state_files_')
+    try:
+      seconds = sorted(_time_case(directory, revisit, threads))
+    finally:
+      shutil.rmtree(directory, ignore_errors=True)
+    median = seconds[len(seconds) // 2]
+    name = 'revisits' if revisit else 'first visits'
+    print(f'  {name:12s} {median:.3f} s/round (read + write, no training; '
+          f'{1000 * median * threads / _CLIENTS.value:.1f} ms per client '
+          f'per thread)')
+
+
+if __name__ == '__main__':
+  app.run(main)
