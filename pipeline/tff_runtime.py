@@ -13,26 +13,13 @@ kills them when this process dies. A local worker that exits at start-up, or
 a --worker_addresses address that does not answer, is an EnvironmentFault
 within seconds (TFF itself would wait for it forever).
 
-Uses of TFF 0.87 internals (all in this module; re-check on a TFF upgrade):
-- `executor_stacks.executor_factory._GRPC_CHANNEL_OPTIONS` (channel options
-  of TFF's own worker channels) and the structure of its
-  `local_cpp_executor_factory` (worker arguments, stub readiness, default
-  CLIENTS cardinality 0), which `_local_worker_factory` re-implements;
-- `environments.tensorflow_frontend.tensorflow_computation.transform_args /
-  transform_result`, the argument transforms TFF's own native contexts are
-  built with (their compiler is tff_algos/runtime/tff_compiler.py's, which uses TFF
-  internals of its own);
-- `context_stack.set_default_context.set_no_default_context`;
-- the `ServiceManager` class local to `local_cpp_executor_factory` (its
-  `_process` and `__del__`), found among live objects to stop and disarm the
-  workers of contexts TFF built itself (the one installed at import);
-- `execution_contexts.mergeable_comp_execution_context`'s private
-  `_partition_value`, `_PartitioningValue`, `_compute_after_merged`,
-  `_run_in_async_context_pool` and `_invoke_after_merge_in_async_pool`
-  (`_fix_mergeable_context_partitioning`).
+The TFF 0.87 internals this needs (TFF's native-context argument transforms,
+its worker channels' gRPC options, the default context's reset, the
+ServiceManagers of the contexts TFF builds itself, the mergeable context's
+partitioning fixes) are used through `tff_algos.tff_internals`, imported
+when TFF is (this module is imported before TensorFlow, see below).
 """
 
-import asyncio
 import atexit
 import concurrent.futures
 import gc
@@ -105,23 +92,17 @@ def shutdown_workers() -> None:
     except psutil.Error:
       pass
   psutil.wait_procs(alive, timeout=5)
-  _disarm_service_managers()
-  tff_module = sys.modules.get('tensorflow_federated')
-  if tff_module is not None:
+  if sys.modules.get('tensorflow_federated') is not None:
+    from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
+    # A ServiceManager still referenced (e.g. from an exception's traceback)
+    # would run its __del__ at teardown, when its module globals are None,
+    # and print an AttributeError. Its worker is stopped above.
+    tff_internals.disarm_service_managers()
     # Drop the default context (its executors hold gRPC channels to the
     # stopped workers); contexts sit in reference cycles, so collect now,
     # not at interpreter teardown.
-    from tensorflow_federated.python.core.impl.context_stack import set_default_context  # pylint: disable=g-import-not-at-top
-    set_default_context.set_no_default_context()
+    tff_internals.set_no_default_context()
     gc.collect()
-
-
-def _service_managers() -> list:
-  # TFF defines its ServiceManager class inside local_cpp_executor_factory,
-  # a new class per factory, so live instances are found, not the class.
-  return [obj for obj in gc.get_objects()
-          if type(obj).__name__ == 'ServiceManager' and
-          type(obj).__module__.endswith('executor_factory')]
 
 
 def _stop_context_workers() -> None:
@@ -133,12 +114,8 @@ def _stop_context_workers() -> None:
   twice in one session). Workers this process started some other way (e.g.
   remote workers on loopback) are left alone.
   """
-  processes = []
-  for manager in _service_managers():
-    process = getattr(manager, '_process', None)
-    if process is not None and process.poll() is None:
-      processes.append(process)
-    manager._process = None  # pylint: disable=protected-access
+  from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
+  processes = tff_internals.detach_service_manager_workers()
   for manager in list(_local_workers):
     process = manager.detach()
     if process is not None and process.poll() is None:
@@ -151,15 +128,6 @@ def _stop_context_workers() -> None:
     except subprocess.TimeoutExpired:
       process.kill()
       process.wait(timeout=5)
-
-
-def _disarm_service_managers() -> None:
-  # A ServiceManager still referenced (e.g. from an exception's traceback)
-  # would run its __del__ at teardown, when its module globals are None, and
-  # print an AttributeError. Its worker is stopped above, so disarm it.
-  for manager in _service_managers():
-    manager._process = None  # pylint: disable=protected-access
-    type(manager).__del__ = lambda self: None
 
 
 def _exit_on_signal(signum, frame):
@@ -254,8 +222,8 @@ class _LocalWorker:
     import grpc  # pylint: disable=g-import-not-at-top
     import portpicker  # pylint: disable=g-import-not-at-top
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-    from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
     from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
+    from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
     port = portpicker.pick_unused_port()
     try:
       process = _spawn_worker([
@@ -265,8 +233,8 @@ class _LocalWorker:
       raise EnvironmentFault(f'cannot start the TFF worker {self._binary_path}:'
                              f' {e}') from e
     self._process = process
-    channel = grpc.insecure_channel(
-        f'localhost:{port}', executor_factory._GRPC_CHANNEL_OPTIONS)  # pylint: disable=protected-access
+    channel = grpc.insecure_channel(f'localhost:{port}',
+                                    tff_internals.GRPC_CHANNEL_OPTIONS)
     stub = tff.framework.RemoteExecutorGrpcStub(channel)
     deadline = time.monotonic() + WORKER_START_SECONDS
     while not stub.is_ready:
@@ -322,13 +290,10 @@ def _local_worker_factory(max_concurrent_computation_calls: int,
 def _native_context(context_class, executor_fn):
   """A context of `context_class` compiled with `tff_compiler` (TFF's own
   compiler, with its graph-optimizer errors avoided)."""
-  from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
+  from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
   from tff_algos.runtime import tff_compiler  # pylint: disable=g-import-not-at-top
-  return context_class(
-      executor_fn=executor_fn,
-      compiler_fn=tff_compiler.compile_for_native_runtime,
-      transform_args=tensorflow_computation.transform_args,
-      transform_result=tensorflow_computation.transform_result)
+  return tff_internals.native_context(
+      context_class, executor_fn, tff_compiler.compile_for_native_runtime)
 
 
 def local_worker_context(max_concurrent_computation_calls: int = -1,
@@ -361,12 +326,10 @@ def _remote_worker_context(address: str):
   (TFF would retry the connection forever)."""
   import grpc  # pylint: disable=g-import-not-at-top
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.python.core.impl.executor_stacks import executor_factory  # pylint: disable=g-import-not-at-top
   from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
-  # The channel options of TFF's own local factory (2 GB messages), which
-  # TFF 0.87 keeps private; its remote-context helpers were removed.
-  channel = grpc.insecure_channel(
-      address, executor_factory._GRPC_CHANNEL_OPTIONS)  # pylint: disable=protected-access
+  from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
+  # The channel options of TFF's own local factory (2 GB messages).
+  channel = grpc.insecure_channel(address, tff_internals.GRPC_CHANNEL_OPTIONS)
   try:
     grpc.channel_ready_future(channel).result(timeout=REMOTE_CONNECT_SECONDS)
   except grpc.FutureTimeoutError:
@@ -388,69 +351,6 @@ def _remote_worker_context(address: str):
   return _native_context(
       tff.framework.AsyncExecutionContext,
       tff.framework.ResourceManagingExecutorFactory(executor_fn))
-
-
-def _fix_mergeable_context_partitioning() -> None:
-  """Fixes two bugs of TFF 0.87's mergeable context that scramble clients.
-
-  1. `_partition_value` takes the partition bookkeeping of a struct from its
-     *last* element, so when a non-CLIENTS value follows the clients' values
-     (as in `next(server_state, client_inputs, server_seed)`) every sub-round
-     gets the first sub-round's clients.
-  2. `_invoke_after_merge_in_async_pool` concatenates the sub-rounds'
-     CLIENTS-placed results in completion order, so client outputs (new
-     client states) come back permuted against the client inputs.
-  Both are private functions the module looks up at call time; the fixed
-  versions below replace them. Idempotent.
-  """
-  from tensorflow_federated.python.common_libs import structure  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.python.core.impl.execution_contexts import mergeable_comp_execution_context as mergeable  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.python.core.impl.types import computation_types  # pylint: disable=g-import-not-at-top
-  if getattr(mergeable, '_project_fixed', False):
-    return
-  partition_leaf = mergeable._partition_value  # pylint: disable=protected-access
-
-  def partition_value(val, type_signature):
-    if not isinstance(type_signature, computation_types.StructType):
-      return partition_leaf(val, type_signature)
-    elements = []
-    advanced = val  # Bookkeeping of the element that held clients' values.
-    for (_, value), (name, element_type) in zip(
-        structure.iter_elements(structure.from_container(val.payload)),
-        structure.iter_elements(type_signature)):
-      result = partition_value(
-          mergeable._PartitioningValue(  # pylint: disable=protected-access
-              value, val.num_remaining_clients, val.num_remaining_partitions,
-              val.last_client_index), element_type)
-      elements.append((name, result.payload))
-      if result.num_remaining_partitions != val.num_remaining_partitions:
-        advanced = result
-    return mergeable._PartitioningValue(  # pylint: disable=protected-access
-        structure.Struct(elements), advanced.num_remaining_clients,
-        advanced.num_remaining_partitions, advanced.last_client_index)
-
-  async def after_merge_in_argument_order(comp, merge_result, arg_list,
-                                          execution_contexts):
-    def task_fn(indexed_arg, context):
-      index, arg = indexed_arg
-
-      async def run():
-        return index, await mergeable._compute_after_merged(  # pylint: disable=protected-access
-            comp, arg, merge_result, context)
-
-      return asyncio.create_task(run())
-
-    async def collect(results, indexed_result, context):
-      del context
-      return (*results, indexed_result)
-
-    results, _ = await mergeable._run_in_async_context_pool(  # pylint: disable=protected-access
-        task_fn, list(enumerate(arg_list)), execution_contexts, (), collect)
-    return [result for _, result in sorted(results, key=lambda r: r[0])]
-
-  mergeable._partition_value = partition_value  # pylint: disable=protected-access
-  mergeable._invoke_after_merge_in_async_pool = after_merge_in_argument_order  # pylint: disable=protected-access
-  mergeable._project_fixed = True  # pylint: disable=protected-access
 
 
 def configure_execution(max_concurrent_computation_calls: int = -1,
@@ -478,6 +378,7 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
+  from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
   install_shutdown_hooks()
   if num_workers < 1:
     raise UsageError(f'--num_workers must be >= 1, got {num_workers}')
@@ -492,7 +393,7 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   _partitions = (num_subrounds or len(worker_addresses) or num_workers
                  if mergeable else 1)
   if mergeable:
-    _fix_mergeable_context_partitioning()
+    tff_internals.fix_mergeable_context_partitioning()
   if worker_addresses:
     contexts = [_remote_worker_context(a) for a in worker_addresses]
   elif mergeable:

@@ -41,10 +41,10 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 import tensorflow_federated as tff
-from tensorflow_federated.python.simulation.baselines import keras_metrics
 
 from pipeline.errors import UsageError
 from tasks import base
+from tff_algos import tff_internals
 
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('char_embedding_dim', 'gru_units', 'max_eval_sequences')
@@ -327,8 +327,8 @@ def build_keras_model(embedding_dim: int = DEFAULT_EMBEDDING_DIM,
 
 
 def metrics() -> list[tf.keras.metrics.Metric]:
-  return [keras_metrics.MaskedCategoricalAccuracy(name='accuracy',
-                                                  masked_tokens=[PAD])]
+  return [tff_internals.MaskedCategoricalAccuracy(name='accuracy',
+                                                   masked_tokens=[PAD])]
 
 
 def _serving_preprocess(texts: tf.Tensor) -> tf.Tensor:

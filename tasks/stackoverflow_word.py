@@ -24,18 +24,15 @@ import os
 
 import tensorflow as tf
 import tensorflow_federated as tff
-# TFF's public create_word_prediction_task loads the vocabulary without its
-# cache_dir (so always from the network or ~/.keras); the module's
-# create_word_prediction_task_from_datasets, preprocessing and model are used
-# directly instead.
-from tensorflow_federated.python.simulation.baselines import keras_metrics
-from tensorflow_federated.python.simulation.baselines.stackoverflow import word_prediction_models
-from tensorflow_federated.python.simulation.baselines.stackoverflow import word_prediction_preprocessing
-from tensorflow_federated.python.simulation.baselines.stackoverflow import word_prediction_tasks
 
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import stackoverflow_char
+# TFF's public create_word_prediction_task loads the vocabulary without its
+# cache_dir (so always from the network or ~/.keras); its module's
+# create_word_prediction_task_from_datasets, preprocessing and model are used
+# directly instead (not public API: tff_internals).
+from tff_algos import tff_internals
 
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('word_vocab_size', 'max_eval_sequences', 'model_width')
@@ -109,7 +106,7 @@ def build_task(config: base.DataConfig) -> base.Task:
       shuffle_buffer_size=1)
   eval_spec = tff.simulation.baselines.ClientSpec(
       num_epochs=1, batch_size=config.eval_batch_size, shuffle_buffer_size=1)
-  baseline = word_prediction_tasks.create_word_prediction_task_from_datasets(
+  baseline = tff_internals.create_word_prediction_task_from_datasets(
       train_spec, eval_spec, SEQUENCE_LENGTH, vocab, NUM_OOV_BUCKETS,
       train_data=train, test_data=test, validation_data=validation)
   to_batches = baseline.datasets.train_preprocess_fn
@@ -129,7 +126,7 @@ def build_task(config: base.DataConfig) -> base.Task:
         max_eval_sequences)
     return {'': baseline.datasets.eval_preprocess_fn(sentences).cache()}
 
-  special = word_prediction_preprocessing.get_special_tokens(
+  special = tff_internals.get_special_tokens(
       len(vocab), num_out_of_vocab_buckets=NUM_OOV_BUCKETS)
   extended_vocab_size = len(vocab) + special.get_number_of_special_tokens()
 
@@ -138,17 +135,17 @@ def build_task(config: base.DataConfig) -> base.Task:
     pad, oov, eos = (special.padding, special.out_of_vocab,
                      special.end_of_sentence)
     return [
-        keras_metrics.MaskedCategoricalAccuracy(
+        tff_internals.MaskedCategoricalAccuracy(
             name='accuracy', masked_tokens=[pad]),
-        keras_metrics.MaskedCategoricalAccuracy(
+        tff_internals.MaskedCategoricalAccuracy(
             name='accuracy_without_out_of_vocab', masked_tokens=[pad] + oov),
-        keras_metrics.MaskedCategoricalAccuracy(
+        tff_internals.MaskedCategoricalAccuracy(
             name='accuracy_without_out_of_vocab_or_end_of_sentence',
             masked_tokens=[pad, eos] + oov),
     ]
 
   def keras_model():
-    return word_prediction_models.create_recurrent_model(
+    return tff_internals.create_recurrent_model(
         vocab_size=extended_vocab_size,
         embedding_size=max(1, round(EMBEDDING_SIZE * width)),
         lstm_size=max(1, round(LSTM_SIZE * width)))

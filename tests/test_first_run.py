@@ -6,7 +6,7 @@ pytest. Each part runs here as the scripts run it (their commands are read
 from the scripts; set-up itself is not run), and its output must hold no line
 of TensorFlow's C++ logging at ERROR or WARNING level: TF's import noise is
 filtered (pipeline/tf_logs.py) and the graph optimizer's errors are avoided
-at their cause (pipeline/tff_compiler.py).
+at their cause (tff_algos/runtime/tff_compiler.py).
 """
 
 import csv

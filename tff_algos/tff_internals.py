@@ -1,19 +1,38 @@
-"""Every use of TFF's non-public modules, in one place, for one TFF version.
+"""Every use of TFF's non-public parts, in one place, for one TFF version.
 
-The project pins tensorflow-federated 0.87.0. These parts of it are not in
-its public API (`tff.*`) but are used here:
+The project pins tensorflow-federated 0.87.0. Nothing outside this module
+imports `tensorflow_federated.python` or `.proto` modules or touches a TFF
+object's private attributes (tests/test_tff_internals.py checks the
+sources). What is used, and for what:
 
 - tff.learning's rules for non-finite values (a client's non-finite update
   is zeroed with weight 0; the finalizer rejects a non-finite mean update),
   so FedAvg and FedSGD compute exactly what tff.learning computes;
+- the native backend's compiler pipeline (`desugar_and_transform_to_native`),
+  rebuilt step for step in `compile_to_native` with a per-computation
+  grappler pass (`runtime/tff_compiler.py` chooses its configuration);
+- the execution-context plumbing of `pipeline/tff_runtime.py`: the argument
+  transforms TFF's own native contexts are built with, the gRPC channel
+  options of TFF's worker channels, the default context's reset, and the
+  `ServiceManager` objects (local to `local_cpp_executor_factory`) of the
+  contexts TFF builds itself, whose workers are stopped and whose `__del__`
+  is disarmed;
 - the mergeable execution context's two partitioning bugs, patched
   (`fix_mergeable_context_partitioning`);
-- the execution-context plumbing for already-running remote workers and the
-  default context's reset (`pipeline.tff_runtime`).
+- the Keras model and losses inside a `tff.learning` model made by
+  `tff.learning.models.from_keras_model`;
+- parts of TFF's simulation baselines the Stack Overflow tasks reuse (its
+  masked accuracy; the word prediction task's preprocessing and model,
+  whose public builder loads the vocabulary without a cache directory).
 
-Importing this module checks the version, so an upgrade fails here, loudly,
-rather than somewhere inside a round.
+These modules are all loaded by `import tensorflow_federated` itself, so
+importing this one costs nothing more. Importing it checks the version, so
+an upgrade fails here, loudly, rather than somewhere inside a round.
 """
+
+import asyncio
+import gc
+import subprocess
 
 import tensorflow_federated as tff
 
@@ -25,15 +44,218 @@ if tff.__version__ != SUPPORTED_VERSION:
       f'{tff.__version__}')
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order,wrong-import-position
+# pylint: disable=protected-access
+from tensorflow_federated.python.common_libs import structure
+from tensorflow_federated.python.core.backends.native import compiler as native_compiler
+from tensorflow_federated.python.core.backends.test import compiler as test_compiler
+from tensorflow_federated.python.core.environments.tensorflow_backend import compiled_computation_transformations
+from tensorflow_federated.python.core.environments.tensorflow_backend import tensorflow_tree_transformations
+from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation
+from tensorflow_federated.python.core.impl.compiler import building_blocks
+from tensorflow_federated.python.core.impl.compiler import transformation_utils
+from tensorflow_federated.python.core.impl.compiler import transformations
+from tensorflow_federated.python.core.impl.computation import computation_impl
+from tensorflow_federated.python.core.impl.context_stack import context_stack_impl
+from tensorflow_federated.python.core.impl.context_stack import set_default_context
+from tensorflow_federated.python.core.impl.execution_contexts import mergeable_comp_execution_context as mergeable
+from tensorflow_federated.python.core.impl.executor_stacks import executor_factory
+from tensorflow_federated.python.core.impl.types import computation_types
+from tensorflow_federated.python.core.impl.utils import tensorflow_utils
 from tensorflow_federated.python.learning import tensor_utils
 from tensorflow_federated.python.learning.templates import apply_optimizer_finalizer
+from tensorflow_federated.python.simulation.baselines import keras_metrics
+from tensorflow_federated.python.simulation.baselines.stackoverflow import word_prediction_models
+from tensorflow_federated.python.simulation.baselines.stackoverflow import word_prediction_preprocessing
+from tensorflow_federated.python.simulation.baselines.stackoverflow import word_prediction_tasks
+from tensorflow_federated.python.tensorflow_libs import serialization_utils
 # pylint: enable=g-import-not-at-top,g-bad-import-order,wrong-import-position
+
+# --- tff.learning ------------------------------------------------------------
 
 # structure -> (structure with every value zeroed if any is not finite,
 # 1 if it was so else 0): what tff.learning's client updates apply.
 zero_all_if_any_non_finite = tensor_utils.zero_all_if_any_non_finite
 
-
 # (optimizer_state, update) -> (reject?, measurements): tff.learning's
 # finalizer rejects a non-finite update, keeping weights and state.
 reject_non_finite_update = apply_optimizer_finalizer.reject_non_finite_update
+
+
+def keras_model_of(model):
+  """The Keras model inside a `from_keras_model` model, else None."""
+  return getattr(model, '_keras_model', None)
+
+
+def keras_losses_of(model) -> list:
+  """The Keras loss functions of a `from_keras_model` model."""
+  return list(model._loss_fns)
+
+
+# --- Simulation baselines ----------------------------------------------------
+
+# Keras accuracy that ignores the given token ids.
+MaskedCategoricalAccuracy = keras_metrics.MaskedCategoricalAccuracy
+# The Stack Overflow word prediction baseline's parts.
+create_word_prediction_task_from_datasets = (
+    word_prediction_tasks.create_word_prediction_task_from_datasets)
+get_special_tokens = word_prediction_preprocessing.get_special_tokens
+create_recurrent_model = word_prediction_models.create_recurrent_model
+
+# --- Compiler ------------------------------------------------------------------
+
+
+def tensorflow_graph_def(computation):
+  """The GraphDef of a TF computation (a building block), else None."""
+  if not (isinstance(computation, building_blocks.CompiledComputation) and
+          computation.proto.WhichOneof('computation') == 'tensorflow'):
+    return None
+  return serialization_utils.unpack_graph_def(
+      computation.proto.tensorflow.graph_def)
+
+
+def has_outputs(computation) -> bool:
+  """Whether a TF computation (a building block) returns any tensor."""
+  return bool(tensorflow_utils.extract_tensor_names_from_binding(
+      computation.proto.tensorflow.result))
+
+
+def optimize_tensorflow(computation, grappler_config):
+  """Grappler, with `grappler_config`, on one TF computation."""
+  return compiled_computation_transformations.optimize_tensorflow_comp(
+      computation, grappler_config)
+
+
+def compile_to_native(computation, transform_tensorflow):
+  """TFF 0.87's `desugar_and_transform_to_native`, step for step (secure
+  intrinsics and then all intrinsics replaced by their bodies, call-dominant
+  form, grappler, grappler disabled in call ops, cache ids), with
+  `transform_tensorflow(building block) -> building block or None` (None:
+  unchanged) in place of its one grappler pass.
+
+  The C++ runtime has no secure-summation protocol: secure sums become the
+  plain sums with bound checks that TFF's test contexts run.
+  """
+
+  def transform(block):
+    transformed = transform_tensorflow(block)
+    return (block, False) if transformed is None else (transformed, True)
+
+  computation = test_compiler.replace_secure_intrinsics_with_bodies(
+      computation)
+  desugared, _ = tensorflow_tree_transformations.replace_intrinsics_with_bodies(
+      computation.to_building_block())
+  transformed, _ = transformation_utils.transform_postorder(
+      transformations.to_call_dominant(desugared), transform)
+  return native_compiler.transform_to_native_form(
+      computation_impl.ConcreteComputation(
+          computation_proto=transformed.proto,
+          context_stack=context_stack_impl.context_stack),
+      grappler_config=None)
+
+
+# --- Execution contexts ------------------------------------------------------
+
+# The channel options of TFF's own worker channels (2 GB messages), which
+# TFF 0.87 keeps private; its remote-context helpers were removed.
+GRPC_CHANNEL_OPTIONS = executor_factory._GRPC_CHANNEL_OPTIONS
+
+
+def native_context(context_class, executor_fn, compiler_fn):
+  """A `context_class` context built as TFF builds its native contexts (its
+  argument transforms), compiled with `compiler_fn`."""
+  return context_class(
+      executor_fn=executor_fn, compiler_fn=compiler_fn,
+      transform_args=tensorflow_computation.transform_args,
+      transform_result=tensorflow_computation.transform_result)
+
+
+def set_no_default_context() -> None:
+  set_default_context.set_no_default_context()
+
+
+def _service_managers() -> list:
+  # TFF defines its ServiceManager class inside local_cpp_executor_factory,
+  # a new class per factory, so live instances are found, not the class.
+  return [obj for obj in gc.get_objects()
+          if type(obj).__name__ == 'ServiceManager' and
+          type(obj).__module__ == executor_factory.__name__]
+
+
+def detach_service_manager_workers() -> list[subprocess.Popen]:
+  """The running workers of TFF-built local contexts, which forget them (the
+  caller stops them)."""
+  processes = []
+  for manager in _service_managers():
+    process = getattr(manager, '_process', None)
+    if process is not None and process.poll() is None:
+      processes.append(process)
+    manager._process = None
+  return processes
+
+
+def disarm_service_managers() -> None:
+  """Makes the `__del__` of live ServiceManagers (whose workers are stopped)
+  a no-op: at interpreter teardown it would print an AttributeError."""
+  for manager in _service_managers():
+    manager._process = None
+    type(manager).__del__ = lambda self: None
+
+
+def fix_mergeable_context_partitioning() -> None:
+  """Fixes two bugs of TFF 0.87's mergeable context that scramble clients.
+
+  1. `_partition_value` takes the partition bookkeeping of a struct from its
+     *last* element, so when a non-CLIENTS value follows the clients' values
+     (as in `next(server_state, client_inputs, server_seed)`) every sub-round
+     gets the first sub-round's clients.
+  2. `_invoke_after_merge_in_async_pool` concatenates the sub-rounds'
+     CLIENTS-placed results in completion order, so client outputs (new
+     client states) come back permuted against the client inputs.
+  Both are private functions the module looks up at call time; the fixed
+  versions below replace them. Idempotent.
+  """
+  if getattr(mergeable, '_project_fixed', False):
+    return
+  partition_leaf = mergeable._partition_value
+
+  def partition_value(val, type_signature):
+    if not isinstance(type_signature, computation_types.StructType):
+      return partition_leaf(val, type_signature)
+    elements = []
+    advanced = val  # Bookkeeping of the element that held clients' values.
+    for (_, value), (name, element_type) in zip(
+        structure.iter_elements(structure.from_container(val.payload)),
+        structure.iter_elements(type_signature)):
+      result = partition_value(
+          mergeable._PartitioningValue(
+              value, val.num_remaining_clients, val.num_remaining_partitions,
+              val.last_client_index), element_type)
+      elements.append((name, result.payload))
+      if result.num_remaining_partitions != val.num_remaining_partitions:
+        advanced = result
+    return mergeable._PartitioningValue(
+        structure.Struct(elements), advanced.num_remaining_clients,
+        advanced.num_remaining_partitions, advanced.last_client_index)
+
+  async def after_merge_in_argument_order(comp, merge_result, arg_list,
+                                          execution_contexts):
+    def task_fn(indexed_arg, context):
+      index, arg = indexed_arg
+
+      async def run():
+        return index, await mergeable._compute_after_merged(
+            comp, arg, merge_result, context)
+
+      return asyncio.create_task(run())
+
+    async def collect(results, indexed_result, context):
+      del context
+      return (*results, indexed_result)
+
+    results, _ = await mergeable._run_in_async_context_pool(
+        task_fn, list(enumerate(arg_list)), execution_contexts, (), collect)
+    return [result for _, result in sorted(results, key=lambda r: r[0])]
+
+  mergeable._partition_value = partition_value
+  mergeable._invoke_after_merge_in_async_pool = after_merge_in_argument_order
+  mergeable._project_fixed = True
