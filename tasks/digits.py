@@ -1,17 +1,26 @@
 """digits: scikit-learn's bundled 8x8 handwritten digits, split into clients
-with SCAFFOLD's s% similarity partition ([SCAFFOLD] Sec. 7).
+with SCAFFOLD's s% similarity partition ([SCAFFOLD] Sec. 7) or FedPVR's
+Dirichlet(alpha) label partition ([FedPVR] Sec. 4).
 
 Data: `sklearn.datasets.load_digits` (1797 images of 8x8 pixels in 0..16, 10
 classes; shipped inside scikit-learn, so it is real data available offline). A
 fixed stratified split (independent of `--seed`, so every run evaluates on the
 same images) keeps 297 images for test and 1500 for training; the training
 images are dealt to `--num_clients` clients (default 100, i.e. 15 images each)
-with `--similarity` percent i.i.d. (default 0: label-sorted shards).
+with `--similarity` percent i.i.d. (default 0: label-sorted shards, equal
+client sizes), or with `--dirichlet_alpha=alpha` by FedDF's Dirichlet
+procedure (tasks.dirichlet: skewed label mixes, unequal client sizes; one of
+the two options).
 
 Models (`--model`): `logistic` (multinomial logistic regression, 64 -> 10) and
-`mlp` (64 -> 100 ReLU -> 10), the convex and non-convex models of the paper.
-`--l2_regularization=lam` adds (lam / 2) * ||kernel||^2 of every Dense layer to
-the training loss (biases are not penalized), making logistic regression
+`mlp` (64 -> 100 ReLU -> 10), the convex and non-convex models of [SCAFFOLD];
+`cnn`, a small convolutional network with four layers so that FedPVR's "last
+layers" ([FedPVR]) are a small part of the model: the 8x8 image, conv 3x3
+(16, ReLU), conv 3x3 (32, ReLU), 2x2 max pooling, dense 64 (ReLU), dense 10
+(38,282 parameters, of which the output layer has 650).
+`--l2_regularization=lam` adds (lam / 2) * ||kernel||^2 of every Dense and
+conv layer to the training loss (biases are not penalized), making logistic
+regression
 strongly convex with finite client optima: the regime of SCAFFOLD's client-drift
 analysis (docs/scaffold.md shows why FedAvg's slow-down with K needs it here).
 Evaluation: the test images (`eval/...`) and the whole training set
@@ -28,10 +37,12 @@ import tensorflow as tf
 
 from pipeline.errors import UsageError
 from tasks import base
+from tasks import dirichlet
 from tasks import partition
 
 # Keys of `DataConfig.options` this task reads (registry.options).
-OPTIONS = ('model', 'num_clients', 'similarity', 'l2_regularization')
+OPTIONS = ('model', 'num_clients', 'similarity', 'dirichlet_alpha',
+           'l2_regularization')
 
 IMAGE_SIZE = 8
 NUM_PIXELS = IMAGE_SIZE * IMAGE_SIZE
@@ -39,12 +50,14 @@ NUM_CLASSES = 10
 MAX_PIXEL = 16.0
 NUM_TEST_IMAGES = 297
 SPLIT_SEED = 0
-MODELS = ('logistic', 'mlp')
+MODELS = ('logistic', 'mlp', 'cnn')
 DEFAULT_MODEL = 'logistic'
 DEFAULT_NUM_CLIENTS = 100
 DEFAULT_SIMILARITY = 0.0
 DEFAULT_L2_REGULARIZATION = 0.0
 MLP_HIDDEN_UNITS = 100
+CNN_FILTERS = (16, 32)
+CNN_HIDDEN_UNITS = 64
 SYNTHETIC_NUM_IMAGES = 600
 
 
@@ -99,10 +112,20 @@ def build_keras_model(model: str,
                  if l2_regularization else None)
   dense = lambda units, **kwargs: tf.keras.layers.Dense(
       units, kernel_regularizer=regularizer, **kwargs)
+  conv = lambda filters: tf.keras.layers.Conv2D(
+      filters, 3, padding='same', activation='relu',
+      kernel_regularizer=regularizer)
   if model == 'logistic':
     layers = [dense(NUM_CLASSES)]
   elif model == 'mlp':
     layers = [dense(MLP_HIDDEN_UNITS, activation='relu'), dense(NUM_CLASSES)]
+  elif model == 'cnn':
+    layers = [tf.keras.layers.Reshape((IMAGE_SIZE, IMAGE_SIZE, 1)),
+              *(conv(filters) for filters in CNN_FILTERS),
+              tf.keras.layers.MaxPool2D(2),
+              tf.keras.layers.Flatten(),
+              dense(CNN_HIDDEN_UNITS, activation='relu'),
+              dense(NUM_CLASSES)]
   else:
     raise UsageError(f'--model={model!r} is unknown for --task=digits; '
                      f'allowed: {", ".join(MODELS)}')
@@ -124,25 +147,55 @@ def _options(config: base.DataConfig):
       options.get('l2_regularization', DEFAULT_L2_REGULARIZATION))
   if not l2_regularization >= 0.0:
     raise UsageError(f'--l2_regularization={l2_regularization} must be >= 0')
+  alpha = options.get('dirichlet_alpha')
+  if alpha is not None:
+    if 'similarity' in options:
+      raise UsageError('--similarity and --dirichlet_alpha both choose the '
+                       'partition of --task=digits; pass one of them')
+    alpha = float(alpha)
+    if not alpha > 0.0:
+      raise UsageError(f'--dirichlet_alpha={alpha} must be > 0')
   return (model, int(options.get('num_clients', DEFAULT_NUM_CLIENTS)),
-          float(options.get('similarity', DEFAULT_SIMILARITY)),
+          float(options.get('similarity', DEFAULT_SIMILARITY)), alpha,
           l2_regularization)
 
 
+def client_partition(labels: np.ndarray, num_clients: int, similarity: float,
+                     alpha, seed: int) -> list[np.ndarray]:
+  """Each client's indices into `labels`: Dirichlet(alpha) if alpha is set,
+  else the s% similarity split."""
+  if alpha is None:
+    return partition.similarity_partition(labels, num_clients, similarity,
+                                          seed)
+  if not 1 <= num_clients <= len(labels):
+    raise UsageError(f'--num_clients={num_clients} is impossible for '
+                     f'{len(labels)} examples (allowed: 1..{len(labels)})')
+  try:
+    return dirichlet.dirichlet_partition(labels, num_clients, alpha, seed)
+  except ValueError as e:
+    raise UsageError(f'--num_clients={num_clients}, --dirichlet_alpha='
+                     f'{alpha:g}: {e}') from e
+
+
 def build_task(config: base.DataConfig) -> base.Task:
-  model, num_clients, similarity, l2_regularization = _options(config)
+  model, num_clients, similarity, alpha, l2_regularization = _options(config)
   arrays = load_arrays(config.use_synthetic_data)
   num_test = (NUM_TEST_IMAGES if not config.use_synthetic_data else
               SYNTHETIC_NUM_IMAGES // 6)
   train, test = train_test_split(arrays, num_test)
-  client_indices = np.stack(partition.similarity_partition(
-      train.labels, num_clients, similarity, config.seed))
+  clients = client_partition(train.labels, num_clients, similarity, alpha,
+                             config.seed)
+  # Clients' index lists one after another; client k's are
+  # client_rows[starts[k]:starts[k + 1]] (sizes differ under Dirichlet).
+  client_rows = np.concatenate(clients)
+  starts = np.cumsum([0] + [len(c) for c in clients]).astype(np.int64)
 
   def client_dataset(client_id_tensor, seed):
     # Client k's rows of the training set; the arrays become constants of
     # the TFF computation (the whole training set is 1500 x 64 floats).
-    rows = tf.gather(tf.constant(client_indices),
-                     tf.strings.to_number(client_id_tensor, tf.int64))
+    k = tf.strings.to_number(client_id_tensor, tf.int64)
+    bounds = tf.constant(starts)
+    rows = tf.constant(client_rows)[bounds[k]:bounds[k + 1]]
     examples = tf.data.Dataset.from_tensor_slices(
         (tf.gather(to_model_input(train.images), rows),
          tf.gather(tf.constant(train.labels), rows)))

@@ -70,8 +70,49 @@ def test_options_choose_model_population_and_similarity():
   assert logits.shape == (2, 10)
 
 
+def test_cnn_has_four_layers_with_a_small_output_layer():
+  task = registry.build_task('digits', _config(model='cnn', num_clients=10))
+  model = task.keras_model_fn()
+  assert [v.shape for v in model.trainable_variables] == [
+      (3, 3, 1, 16), (16,), (3, 3, 16, 32), (32,), (512, 64), (64,),
+      (64, 10), (10,)]
+  assert model.count_params() == 38282
+  logits = model(tf.zeros([2, 64]))
+  assert logits.shape == (2, 10)
+
+
+def test_dirichlet_alpha_deals_every_image_once_with_skewed_labels():
+  train, _ = digits.train_test_split(digits.load_arrays(False),
+                                     digits.NUM_TEST_IMAGES)
+  clients = digits.client_partition(train.labels, 10, 0.0, 0.1, seed=0)
+  assert sorted(np.concatenate(clients)) == list(range(1500))
+  sizes = [len(c) for c in clients]
+  assert min(sizes) >= 75 and len(set(sizes)) > 1  # unequal sizes
+  # Client 3's data through the task's computation: its own images, all of
+  # them when it takes whole epochs.
+  config = base.DataConfig(client_batch_size=16, seed=0, options=dict(
+      num_clients=10, dirichlet_alpha=0.1))
+  task = registry.build_task('digits', config)
+  labels = np.concatenate([np.asarray(y) for _, y in
+                           task.client_dataset_computation('0003', 7)])
+  np.testing.assert_array_equal(np.sort(labels),
+                                np.sort(train.labels[clients[3]]))
+  # alpha = 0.1: most clients are dominated by a few labels.
+  top_two = [np.sort(np.bincount(train.labels[c], minlength=10))[-2:].sum()
+             / len(c) for c in clients]
+  assert np.median(top_two) > 0.6
+  iid = digits.client_partition(train.labels, 10, 0.0, 100.0, seed=0)
+  assert max(np.sort(np.bincount(train.labels[c], minlength=10))[-2:].sum()
+             / len(c) for c in iid) < 0.4
+
+
 @pytest.mark.parametrize('options,flag', [
     (dict(model='resnet'), '--model'),
+    (dict(dirichlet_alpha=0.0), '--dirichlet_alpha'),
+    (dict(dirichlet_alpha=-1.0), '--dirichlet_alpha'),
+    (dict(dirichlet_alpha=0.5, similarity=0.0), '--dirichlet_alpha'),
+    (dict(dirichlet_alpha=0.5, num_clients=0), '--num_clients'),
+    (dict(dirichlet_alpha=0.001, num_clients=20), '--dirichlet_alpha'),
     (dict(similarity=101.0), '--similarity'),
     (dict(similarity=-5.0), '--similarity'),
     (dict(num_clients=0), '--num_clients'),
@@ -93,8 +134,8 @@ def test_l2_regularization_adds_half_lambda_squared_kernels_to_both_losses(
   features, labels = (tf.constant(np.asarray(t)) for t in batch)
   learning_model = task.model_fn()
   kernels = [v.numpy() for v in learning_model.trainable_variables
-             if v.shape.rank == 2]
-  assert len(kernels) == (1 if model == 'logistic' else 2)
+             if 'kernel' in v.name]
+  assert len(kernels) == {'logistic': 1, 'mlp': 2, 'cnn': 4}[model]
   penalty = 0.5 * lam * sum(float(np.sum(k.astype(np.float64)**2))
                             for k in kernels)
   logits = learning_model.predict_on_batch(features, training=False)
