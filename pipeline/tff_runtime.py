@@ -23,6 +23,7 @@ when TFF is (this module is imported before TensorFlow, see below).
 import atexit
 import concurrent.futures
 import gc
+import importlib.util
 import os
 import signal
 import subprocess
@@ -150,10 +151,18 @@ def install_shutdown_hooks() -> None:
 
 
 def worker_binary_path() -> str:
-  """TFF's C++ worker; `<path> --port=N` serves one worker on port N."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  """TFF's C++ worker; `<path> --port=N` serves one worker on port N.
+
+  Found without importing TFF, which would import TensorFlow and print its
+  start-up log lines (the README's command for remote workers calls this).
+  """
+  from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.find_spec('tensorflow_federated')
+  if spec is None or not spec.submodule_search_locations:
+    raise EnvironmentFault('tensorflow_federated is not installed')
   # Where TFF's local_cpp_executor_factory looks for it.
-  return os.path.join(os.path.dirname(tff.__file__), 'data', _WORKER_NAME)
+  return os.path.join(list(spec.submodule_search_locations)[0], 'data',
+                      _WORKER_NAME)
 
 
 # Local workers are started from this one thread, which lives as long as the

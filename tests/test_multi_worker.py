@@ -234,3 +234,20 @@ def test_replacing_the_context_does_not_wait_on_an_unresponsive_worker():
   assert time.monotonic() - started < 30
   assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
   assert add_one(2) == 3  # The new context starts a fresh worker.
+
+
+def test_readme_worker_path_command_prints_the_path_and_nothing_else():
+  """The README's `WORKER=$(...)` line: the worker's path on stdout, and no
+  TensorFlow start-up lines on the user's terminal."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(repo, 'README.md'), encoding='utf-8') as f:
+    line = next(l for l in f if l.startswith('WORKER=$('))
+  command = line[len('WORKER=$('):line.rindex(')')]
+  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
+  result = subprocess.run(command, shell=True, cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120,
+                          check=False)
+  assert result.returncode == 0, result.stderr
+  assert result.stderr == ''
+  path = result.stdout.strip()
+  assert os.access(path, os.X_OK) and os.path.basename(path) == 'worker_binary'
