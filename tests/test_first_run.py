@@ -114,3 +114,15 @@ def test_a_task_smaller_than_the_default_cohort_trains_with_all_clients(
   assert not _tf_errors_and_warnings(result.stdout + result.stderr)
   with open(tmp_path / 'toy' / 'hparams.json') as f:
     assert json.load(f)['clients_per_round'] == 2
+
+
+@pytest.mark.parametrize('entry_points', [
+    'binaries', 'experiments', 'benchmarks.rounds', 'benchmarks.state_files',
+    'benchmarks.peers.check_same_math'])
+def test_entry_points_import_tensorflow_quietly(entry_points):
+  """Every `python -m` entry point of the README and docs imports TF (in
+  its process) after quieting it, as a binary does."""
+  result = _run(['-c', f'import {entry_points}; import tensorflow'],
+                env=_user_environment())
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert not _tf_errors_and_warnings(result.stdout + result.stderr)

@@ -33,6 +33,11 @@ import tempfile
 
 import numpy as np
 
+from pipeline import tf_logs
+
+# Before TensorFlow is imported (in this process, for the project's side).
+tf_logs.quiet_tensorflow_import()
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 NAMES = ('kernel_0', 'bias_0', 'kernel_1', 'bias_1')
