@@ -224,7 +224,8 @@ def require_state_files(state_format: client_states.StateFormat,
                         round_num: int) -> None:
   """UsageError unless every state file `index` names is there, whole."""
   missing = client_states.missing_files(
-      state_format, index, client_states.serialized_size(state_format.specs))
+      state_format, index, client_states.serialized_size(state_format.specs),
+      client_states.file_header(state_format.specs))
   if missing:
     raise UsageError(
         f'{len(missing)} client state file(s) of checkpoint round '

@@ -241,17 +241,57 @@ def test_resume_from_an_older_checkpoint_is_exact(tmp_path, uninterrupted):
     np.testing.assert_array_equal(got, want)
 
 
-def test_missing_client_states_are_one_clear_error(tmp_path):
+def test_missing_or_overwritten_client_states_are_one_clear_error(tmp_path):
   _train(tmp_path, 'run')
-  subprocess.run(['rm', '-r', str(tmp_path / 'run' / 'client_states')],
-                 check=True)
   metrics_before = (tmp_path / 'run' / 'metrics.csv').read_bytes()
   command = _command(tmp_path, 'run')
   command[command.index(f'--total_rounds={ROUNDS}')] = (
       f'--total_rounds={ROUNDS + 1}')
-  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                        timeout=900)
-  assert done.returncode == 2
-  errors = [l for l in done.stderr.splitlines() if l.startswith('error:')]
-  assert len(errors) == 1 and 'missing or damaged' in errors[0]
-  assert (tmp_path / 'run' / 'metrics.csv').read_bytes() == metrics_before
+
+  def resume_fails(damaged: str):
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [l for l in done.stderr.splitlines() if l.startswith('error:')]
+    assert len(errors) == 1 and 'missing or damaged' in errors[0], errors
+    assert damaged in errors[0]
+    assert 'Traceback' not in done.stderr
+    assert (tmp_path / 'run' / 'metrics.csv').read_bytes() == metrics_before
+
+  # A state file overwritten with other bytes of its size.
+  store = tmp_path / 'run' / 'client_states'
+  last_round = sorted(store.iterdir())[-1]
+  damaged = sorted(last_round.iterdir())[0]
+  intact = damaged.read_bytes()
+  damaged.write_bytes(np.random.default_rng(0).bytes(len(intact)))
+  resume_fails(damaged.name)
+  damaged.write_bytes(intact)
+  # The whole store gone.
+  subprocess.run(['rm', '-r', str(store)], check=True)
+  resume_fails('client_states')
+
+
+@pytest.mark.parametrize('leaf_dtype', [np.int64, np.float32],
+                         ids=['mixed_dtypes', 'one_dtype'])
+def test_overwritten_or_truncated_state_files_are_found(tmp_path,
+                                                        leaf_dtype):
+  state_format = _format(tmp_path, specs={
+      'a': tf.TensorSpec([2, 3], tf.float32),
+      'b': [tf.TensorSpec([4], tf.as_dtype(leaf_dtype))]})
+  index = client_states.StateIndex(['x', 'y', 'z'])
+  for client_id in ('x', 'y', 'z'):
+    state_format.write(tf.constant(client_id), tf.constant(1, tf.int64),
+                       {'a': np.full([2, 3], -3.5, np.float32),
+                        'b': [np.arange(4).astype(leaf_dtype)]})
+  index.commit([0, 1, 2], 1)
+  size = client_states.serialized_size(state_format.specs)
+  header = client_states.file_header(state_format.specs)
+  assert 0 < len(header) < size
+  assert client_states.missing_files(state_format, index, size, header) == []
+  overwritten = state_format.file_path('x', 1)
+  with open(overwritten, 'wb') as f:
+    f.write(np.random.default_rng(1).bytes(size))
+  truncated = state_format.file_path('y', 1)
+  os.truncate(truncated, size - 1)
+  assert client_states.missing_files(state_format, index, size, header) == [
+      overwritten, truncated]

@@ -220,18 +220,23 @@ def recover(directory: str, committed_round: int) -> list[int]:
 
 
 def missing_files(state_format: StateFormat, index: StateIndex,
-                  expected_size: Optional[int]) -> list[str]:
-  """Paths of indexed states that are missing (or of the wrong size)."""
+                  expected_size: Optional[int],
+                  expected_header: bytes = b'') -> list[str]:
+  """Paths of indexed states that are missing or damaged: of the wrong size,
+  or not starting with `expected_header` (`file_header`)."""
   missing = []
   for position in np.flatnonzero(index.versions >= 0):
     path = state_format.file_path(index.client_ids[position],
                                   int(index.versions[position]))
     try:
       size = os.stat(path).st_size
-    except FileNotFoundError:
+      with open(path, 'rb') as f:
+        header = f.read(len(expected_header))
+    except (FileNotFoundError, IsADirectoryError):
       missing.append(path)
       continue
-    if expected_size is not None and size != expected_size:
+    if (expected_size is not None and size != expected_size) or (
+        header != expected_header):
       missing.append(path)
   return missing
 
@@ -323,6 +328,45 @@ def _decode(blob: tf.Tensor, specs):
                               spec.shape)
               for i, spec in enumerate(flat_specs)]
   return tf.nest.pack_sequence_as(specs, leaves)
+
+
+def file_header(specs) -> bytes:
+  """The bytes every stored state of `specs` starts with.
+
+  A state's file is a serialized TensorProto: its dtypes, shapes and lengths
+  come first and are the same for every state of `specs`, then the values.
+  Found as what two states with different values (zeros, and values with no
+  zero byte) have in common at the start. A file overwritten with other bytes
+  fails this check; damage inside the values themselves does not (that would
+  take a checksum of every state, read and written every round).
+  """
+  flat = tf.nest.flatten(specs)
+
+  def encoded(fill):
+    leaves = [tf.fill(s.shape, tf.constant(fill(s.dtype), s.dtype))
+              for s in flat]
+    return _encode(tf.nest.pack_sequence_as(specs, leaves), specs).numpy()
+
+  zeros = encoded(lambda dtype: False if dtype.is_bool else 0)
+  others = encoded(_without_zero_bytes)
+  length = next((i for i, (a, b) in enumerate(zip(zeros, others)) if a != b),
+                min(len(zeros), len(others)))
+  return zeros[:length]
+
+
+def _without_zero_bytes(dtype: tf.DType):
+  """A value of `dtype` whose encoding starts with a non-zero byte."""
+  if dtype.is_bool:
+    return True
+  if dtype.is_floating:
+    return 1.1
+  if dtype.is_unsigned:
+    return dtype.max
+  if dtype.is_integer:
+    return -1
+  if dtype.is_complex:
+    return 1.1 + 1.1j
+  return 'x'
 
 
 def serialized_size(specs) -> int:
