@@ -219,6 +219,23 @@ class CheckpointManager:
         _program_state(round_num, server_state, versions), round_num))
 
 
+def _require_store_directory(directory: str) -> None:
+  """UsageError unless `directory` is, or can be made, a writable directory
+  (the clients' computations would otherwise fail in their first write).
+  Creates nothing: it runs before the run directory is locked."""
+  existing = os.path.abspath(directory)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise UsageError(f'the client-state store {directory} '
+                     f'(--client_state_dir) cannot be made: {existing} is a '
+                     'file, not a directory')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise UsageError(f'the client-state store {directory} '
+                     f'(--client_state_dir) cannot be written: {existing} '
+                     'is not writable')
+
+
 def require_state_files(state_format: client_states.StateFormat,
                         index: client_states.StateIndex,
                         round_num: int) -> None:
@@ -339,6 +356,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   (`run_directory.check_resume`).
   """
   config.validate(task.num_train_clients)
+  if definition.has_client_state:
+    _require_store_directory(config.state_dir)
   with run_directory.RunLock(config.run_dir):
     return _train_locked(definition, task, config, hparams, model_aggregator,
                          round_metrics)

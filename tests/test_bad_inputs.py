@@ -47,7 +47,8 @@ class Case:
 
 def train_new(*flags):
   return lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=new',
-                    f'--root_output_dir={p.root}', *flags]
+                    f'--root_output_dir={p.root}',
+                    *[f(p) if callable(f) else f for f in flags]]
 
 
 def resume_base(*flags):
@@ -125,6 +126,18 @@ CASES = [
                     f'--root_output_dir={p.root}/file'],
          lambda p: f'--root_output_dir={p.root}/file is a file, not a '
          'directory', setup=write('file', 'not a directory')),
+    Case('client_state_dir_is_a_file', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.root}/file'),
+         lambda p: f'the client-state store {p.root}/file '
+         f'(--client_state_dir) cannot be made: {p.root}/file is a file, not '
+         'a directory', setup=write('file', 'not a directory')),
+    Case('client_state_dir_below_a_file', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.root}/file/states'),
+         lambda p: f'the client-state store {p.root}/file/states '
+         f'(--client_state_dir) cannot be made: {p.root}/file is a file, not '
+         'a directory', setup=write('file', 'not a directory')),
     Case('experiment_name_dot_dot', 'train',
          lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=..',
                     f'--root_output_dir={p.base}'],
