@@ -21,3 +21,10 @@ class EnvironmentFault(Exception):
   The message says what failed and how to recover; what was written before
   stays valid, so re-running the same command resumes.
   """
+
+
+def not_a_directory(path: str) -> str:
+  """Why `path`, which should be a directory, is not one (for messages)."""
+  import os  # pylint: disable=g-import-not-at-top
+  return 'is a file, not a directory' if os.path.exists(path) else (
+      'does not exist')

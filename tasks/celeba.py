@@ -21,6 +21,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from pipeline.errors import not_a_directory
 from tasks import base
 
 # Keys of `DataConfig.options` this task reads (registry.options).
@@ -94,7 +95,7 @@ def _load_client_data(config: base.DataConfig):
   database = os.path.join(cache_dir, SQLITE_NAME)
   if not config.download:
     if not os.path.isdir(cache_dir):
-      raise UsageError(f'--cache_dir={cache_dir} does not exist; it must hold '
+      raise UsageError(f'--cache_dir={cache_dir} {not_a_directory(cache_dir)}; it must hold '
                        f'{SQLITE_NAME} (TFF CelebA), or pass --download, or '
                        '--use_synthetic_data')
     if not os.path.isfile(database):

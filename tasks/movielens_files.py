@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from pipeline.errors import UsageError
+from pipeline.errors import not_a_directory
 
 ML_1M_RATINGS = 'ratings.dat'
 ML_100K_RATINGS = 'u.data'
@@ -52,7 +53,8 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
 def find_ratings(movielens_dir: str) -> str:
   """The ratings file of `movielens_dir`: ML-1M's if present, else ML-100K's."""
   if not os.path.isdir(movielens_dir):
-    raise UsageError(f'--movielens_dir={movielens_dir} does not exist')
+    raise UsageError(f'--movielens_dir={movielens_dir} '
+                     f'{not_a_directory(movielens_dir)}')
   for name in RATINGS_FORMATS:
     path = os.path.join(movielens_dir, name)
     if os.path.isfile(path):

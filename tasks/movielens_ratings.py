@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline.errors import UsageError
+from pipeline.errors import not_a_directory
 from tasks import base
 from tasks import client_arrays
 from tasks import movielens_files
@@ -126,7 +127,8 @@ def build_task(config: base.DataConfig) -> base.Task:
                        '(a directory with MovieLens 100K u.data and u.item), '
                        'or pass --use_synthetic_data')
     if not os.path.isdir(movielens_dir):
-      raise UsageError(f'--movielens_dir={movielens_dir} does not exist')
+      raise UsageError(f'--movielens_dir={movielens_dir} '
+                       f'{not_a_directory(movielens_dir)}')
     ratings, genres = load_ratings(movielens_dir), load_genres(movielens_dir)
   if ratings['movie'].max() >= len(genres) or ratings['movie'].min() < 1:
     raise UsageError('u.data rates movie ids missing from u.item')

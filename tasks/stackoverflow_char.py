@@ -43,6 +43,7 @@ import tensorflow_datasets as tfds
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from pipeline.errors import not_a_directory
 from tasks import base
 from tff_algos import tff_internals
 
@@ -187,7 +188,7 @@ def load_stackoverflow(config: base.DataConfig):
                      '--use_synthetic_data')
   if not config.download:
     if not os.path.isdir(cache_dir):
-      raise UsageError(f'--cache_dir={cache_dir} does not exist; it must hold '
+      raise UsageError(f'--cache_dir={cache_dir} {not_a_directory(cache_dir)}; it must hold '
                        f'{SQLITE_NAME} (TFF StackOverflow), or pass '
                        '--download, or --use_synthetic_data')
     if not os.path.isfile(os.path.join(cache_dir, SQLITE_NAME)):

@@ -138,6 +138,13 @@ CASES = [
          lambda p: f'the client-state store {p.root}/file/states '
          f'(--client_state_dir) cannot be made: {p.root}/file is a file, not '
          'a directory', setup=write('file', 'not a directory')),
+    Case('cache_dir_is_a_file', 'train',
+         lambda p: ['--task=celeba_smile', '--algorithm=fedavg',
+                    '--experiment_name=new', f'--root_output_dir={p.root}',
+                    f'--cache_dir={p.root}/file'],
+         lambda p: f'--cache_dir={p.root}/file is a file, not a directory; it '
+         'must hold celeba.sqlite (TFF CelebA), or pass --download, or '
+         '--use_synthetic_data', setup=write('file', 'not a directory')),
     Case('experiment_name_dot_dot', 'train',
          lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=..',
                     f'--root_output_dir={p.base}'],
