@@ -347,7 +347,8 @@ def file_header(specs) -> bytes:
               for s in flat]
     return _encode(tf.nest.pack_sequence_as(specs, leaves), specs).numpy()
 
-  zeros = encoded(lambda dtype: False if dtype.is_bool else 0)
+  zeros = encoded(lambda dtype: False if dtype.is_bool else (
+      '' if dtype == tf.string else 0))
   others = encoded(_without_zero_bytes)
   length = next((i for i, (a, b) in enumerate(zip(zeros, others)) if a != b),
                 min(len(zeros), len(others)))
