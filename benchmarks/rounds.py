@@ -15,6 +15,10 @@ each in its own process:
   (b) naive:  `tff.learning.algorithms.build_weighted_fed_avg` fed a Python
               list of the sampled clients' tf.data datasets each round, as
               TFF's tutorials do (FedAvg only);
+  central:    mixed FL's central work alone (its central data's batches and
+              the central update on the initial server state), in-process as
+              the native runtime runs it: what a mixed FL round does on top of
+              the clients' work;
   (c) bound:  the same client steps and server update in-process, no TFF:
               one tf.function per client update (its dataset built
               in-graph), the clients spread over one thread per CPU, then
@@ -106,8 +110,9 @@ _BOUND_THREADS = flags.DEFINE_integer(
     'Threads running (c)\'s clients concurrently (0: one per CPU).')
 _MODES = flags.DEFINE_list(
     'modes', ['tff', 'native', 'naive', 'bound'],
-    'Which of (a) tff and native, (b) naive and (c) bound to measure. The '
-    'ratio lines need tff, naive and bound.')
+    'Which of (a) tff and native, (b) naive, (c) bound and central (mixed '
+    'FL\'s central work alone) to measure. The ratio lines need tff, naive '
+    'and bound.')
 _QUICK = flags.DEFINE_boolean(
     'quick', False,
     'Small sizes (10 clients, 1 timed round, no sweep) to check the '
@@ -119,10 +124,11 @@ _OUTPUT_DIR = flags.DEFINE_string('child_output_dir', None, 'Internal.')
 
 FLAGS = flags.FLAGS
 RESULT_PREFIX = 'BENCHMARK_RESULT '
-MODES = ('tff', 'native', 'naive', 'bound')
+MODES = ('tff', 'native', 'naive', 'bound', 'central')
 # The algorithms each mode can run (None: every algorithm).
 MODE_ALGORITHMS = {'tff': None, 'native': None, 'naive': ('fedavg',),
-                   'bound': ('fedavg', 'scaffold')}
+                   'bound': ('fedavg', 'scaffold'),
+                   'central': ('mixed_pt', 'mixed_1wgt', 'mixed_2wgt')}
 CLIENT_LEARNING_RATE = 0.01
 SERVER_LEARNING_RATE = 1.0
 
@@ -230,6 +236,29 @@ def _run_driver(runtime: str) -> list[float]:
   driver.train(definition, task, config)
   with open(os.path.join(config.run_dir, 'metrics.csv')) as f:
     return [float(row['round_seconds']) for row in csv.DictReader(f)]
+
+
+def _run_central_alone() -> list[float]:
+  """central: per round, the central work alone (native runtime's)."""
+  from pipeline import driver  # pylint: disable=g-import-not-at-top
+  from tff_algos.algorithms import registry  # pylint: disable=g-import-not-at-top
+  from tff_algos.runtime import native  # pylint: disable=g-import-not-at-top
+  from tff_algos.runtime import tff_process  # pylint: disable=g-import-not-at-top
+  algorithm = _CHILD_ALGORITHM.value
+  task = _task(algorithm)
+  definition = registry.build(algorithm, task, _settings(algorithm))
+  process = native.NativeProcess(definition, tff_process.DataFunctions(
+      client_dataset_fn=task.client_dataset_fn,
+      server_dataset_fn=task.server_dataset_fn))
+  state = process.initialize()
+  seconds = []
+  for round_num in range(_WARMUP_ROUNDS.value + _ROUNDS.value):
+    started = time.perf_counter()
+    native.to_numpy(process.central_result(
+        state, driver.plan_round(0, round_num, task.num_train_clients,
+                                 _CHILD_CLIENTS.value).server_seed))
+    seconds.append(time.perf_counter() - started)
+  return seconds
 
 
 def _sampled_ids(task, round_num: int):
@@ -441,7 +470,8 @@ def _run_plain_tf_bound() -> list[float]:
 def run_child() -> None:
   runner = {'tff': lambda: _run_driver('tff'),
             'native': lambda: _run_driver('native'),
-            'naive': _run_naive_tff, 'bound': _run_plain_tf_bound}[_CHILD.value]
+            'naive': _run_naive_tff, 'bound': _run_plain_tf_bound,
+            'central': _run_central_alone}[_CHILD.value]
   seconds = runner()
   print(RESULT_PREFIX + json.dumps({'round_seconds': seconds}), flush=True)
 
@@ -544,7 +574,8 @@ def run_parent() -> None:
             f', driver sub-rounds of <= {_CLIENTS_PER_SUBROUND.value} clients'
             if _CLIENTS_PER_SUBROUND.value > 0 else ''), flush=True)
   headline = {mode: measure(mode, _CLIENTS_PER_ROUND.value)
-              for mode in modes}
+              for mode in modes if MODE_ALGORITHMS[mode] is None
+              or 'fedavg' in MODE_ALGORITHMS[mode]}
   records = list(headline.values())
   for algorithm in _SWEEP_ALGORITHMS.value:
     for clients in sweep:
@@ -607,6 +638,32 @@ def print_summary(records: list[dict], modes: list[str]) -> None:
   if ratios:
     print('\nover FedAvg in the same mode and cohort size:')
     print('\n'.join(ratios))
+  extra = central_work_lines(by_key)
+  if extra:
+    print('\nrounds with central work, against FedAvg\'s round plus that '
+          'work:')
+    print('\n'.join(extra))
+
+
+def central_work_lines(by_key: dict) -> list[str]:
+  """Per mixed FL round measured with its central work alone (mode
+  central): its round as FedAvg's round times x plus that work."""
+  lines = []
+  for (algorithm, mode, clients), central in sorted(by_key.items()):
+    if mode != 'central':
+      continue
+    for runtime in ('tff', 'native'):
+      record = by_key.get((algorithm, runtime, clients))
+      fedavg = by_key.get(('fedavg', runtime, clients))
+      if record is None or fedavg is None:
+        continue
+      seconds, fedavg_s, central_s = (
+          r['seconds_per_round'] for r in (record, fedavg, central))
+      lines.append(
+          f'  {algorithm}, {runtime}, {clients} clients: round {seconds:.3f} s'
+          f' = x{(seconds - central_s) / fedavg_s:.2f} FedAvg\'s '
+          f'{fedavg_s:.3f} s + its central work alone {central_s:.3f} s')
+  return lines
 
 
 def main(argv):

@@ -341,9 +341,10 @@ def data_config() -> task_base.DataConfig:
       client_steps=FLAGS.client_steps,
       client_epochs=FLAGS.client_epochs,
       central_batch_size=FLAGS.central_batch_size,
-      # K batches a round: PT and 2-w GT take all, 1-w GT the first only
-      # (the stream is lazy, so the others are never built).
-      central_steps=FLAGS.client_steps or 1,
+      # The central model's batches a round (--central_steps, default K):
+      # PT and 2-w GT take all, 1-w GT the first only (the stream is lazy,
+      # so the others are never built).
+      central_steps=FLAGS.central_steps or FLAGS.client_steps or 1,
       eval_batch_size=FLAGS.eval_batch_size,
       seed=FLAGS.seed,
       use_synthetic_data=FLAGS.use_synthetic_data,

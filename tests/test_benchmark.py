@@ -83,3 +83,30 @@ def test_state_files_times_first_visits_and_revisits():
   bad = run_binary('benchmarks.state_files', '--clients_per_round=0')
   assert bad.returncode == 2
   assert 'error: --clients_per_round must be >= 1, got 0' in bad.stderr
+
+
+
+def test_central_mode_times_mixed_fl_central_work_alone():
+  result = run_binary('benchmarks.rounds', '--quick', '--modes=central',
+                      '--clients_per_round=3', '--population=6',
+                      '--sweep_clients=3', '--sweep_algorithms=fedavg,mixed_2wgt')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(r'^\s*central\s+mixed_2wgt\s+3 clients:\s+[\d.]+ s/round',
+                   result.stdout, re.MULTILINE), result.stdout
+  assert not re.search(r'^\s*central\s+fedavg', result.stdout, re.MULTILINE)
+
+
+def test_a_mixed_round_is_compared_with_fedavg_plus_its_central_work():
+  from benchmarks import rounds  # pylint: disable=import-outside-toplevel
+
+  def record(seconds):
+    return {'seconds_per_round': seconds}
+
+  by_key = {('fedavg', 'native', 100): record(0.5),
+            ('mixed_2wgt', 'native', 100): record(1.7),
+            ('mixed_2wgt', 'central', 100): record(0.6),
+            ('mixed_2wgt', 'tff', 100): record(2.0),  # No FedAvg under tff.
+            ('scaffold', 'native', 100): record(1.5)}
+  assert rounds.central_work_lines(by_key) == [
+      '  mixed_2wgt, native, 100 clients: round 1.700 s = x2.20 FedAvg\'s '
+      '0.500 s + its central work alone 0.600 s']

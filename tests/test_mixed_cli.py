@@ -123,3 +123,15 @@ def test_two_way_gt_rejects_optimizers_other_than_plain_sgd(tmp_path, flags,
       'and --central_optimizer (its augmenting gradients are recovered from '
       'the deltas of plain SGD steps; docs/mixed_fl.md); got ' + rejected]
   assert not (tmp_path / 'adam').exists()
+
+
+@pytest.mark.parametrize('args, expected', [
+    (('--client_steps=2', '--central_steps=4'), 4),  # J > K: not cut to K.
+    (('--client_steps=3', '--central_steps=2'), 2),
+    (('--client_steps=3',), 3),  # Default J = K.
+])
+def test_central_data_holds_the_central_models_steps(parse_flags, args,
+                                                     expected):
+  parse_flags('--task=celeba_smile', '--algorithm=mixed_pt',
+              '--use_synthetic_data', *args)
+  assert flags_lib.data_config().central_steps == expected

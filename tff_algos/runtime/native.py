@@ -124,7 +124,8 @@ class NativeProcess:
   def initialize(self):
     return to_numpy(self._initial_state())
 
-  def _central_result(self, state, server_seed):
+  def central_result(self, state, server_seed: int):
+    """The round's central work alone (`benchmarks.rounds` times it)."""
     elements = None
     if self._definition.central.uses_data:
       elements = self._server_dataset(tf.constant(server_seed, tf.int64))
@@ -136,7 +137,7 @@ class NativeProcess:
     before = definition.central is not None and (
         definition.central.before_clients)
     if before:
-      central = self._central_result(state, server_seed)
+      central = self.central_result(state, server_seed)
     message = self._broadcast(state, central)
     results = self._run_groups(message, round_num, groups)
     total = _sum(results)
@@ -150,7 +151,7 @@ class NativeProcess:
     if definition.sums_model_update:
       aggregates['model_update_sum'] = total['model_update_sum']
     if definition.central is not None and not before:
-      central = self._central_result(state, server_seed)
+      central = self.central_result(state, server_seed)
     new_state, algorithm_metrics = self._server_update(state, aggregates,
                                                        central)
     metrics = collections.OrderedDict(
