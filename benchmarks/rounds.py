@@ -64,6 +64,7 @@ import time
 from absl import flags
 
 from binaries import app  # First: imports TensorFlow quietly.
+from benchmarks import report
 from binaries import process_memory
 from pipeline.errors import UsageError
 # Imported before absl parses flags: TF imported later, inside main, builds
@@ -638,32 +639,11 @@ def print_summary(records: list[dict], modes: list[str]) -> None:
   if ratios:
     print('\nover FedAvg in the same mode and cohort size:')
     print('\n'.join(ratios))
-  extra = central_work_lines(by_key)
+  extra = report.central_work_lines(by_key)
   if extra:
     print('\nrounds with central work, against FedAvg\'s round plus that '
           'work:')
     print('\n'.join(extra))
-
-
-def central_work_lines(by_key: dict) -> list[str]:
-  """Per mixed FL round measured with its central work alone (mode
-  central): its round as FedAvg's round times x plus that work."""
-  lines = []
-  for (algorithm, mode, clients), central in sorted(by_key.items()):
-    if mode != 'central':
-      continue
-    for runtime in ('tff', 'native'):
-      record = by_key.get((algorithm, runtime, clients))
-      fedavg = by_key.get(('fedavg', runtime, clients))
-      if record is None or fedavg is None:
-        continue
-      seconds, fedavg_s, central_s = (
-          r['seconds_per_round'] for r in (record, fedavg, central))
-      lines.append(
-          f'  {algorithm}, {runtime}, {clients} clients: round {seconds:.3f} s'
-          f' = x{(seconds - central_s) / fedavg_s:.2f} FedAvg\'s '
-          f'{fedavg_s:.3f} s + its central work alone {central_s:.3f} s')
-  return lines
 
 
 def main(argv):

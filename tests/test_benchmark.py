@@ -97,7 +97,7 @@ def test_central_mode_times_mixed_fl_central_work_alone():
 
 
 def test_a_mixed_round_is_compared_with_fedavg_plus_its_central_work():
-  from benchmarks import rounds  # pylint: disable=import-outside-toplevel
+  from benchmarks import report  # pylint: disable=import-outside-toplevel
 
   def record(seconds):
     return {'seconds_per_round': seconds}
@@ -107,6 +107,6 @@ def test_a_mixed_round_is_compared_with_fedavg_plus_its_central_work():
             ('mixed_2wgt', 'central', 100): record(0.6),
             ('mixed_2wgt', 'tff', 100): record(2.0),  # No FedAvg under tff.
             ('scaffold', 'native', 100): record(1.5)}
-  assert rounds.central_work_lines(by_key) == [
+  assert report.central_work_lines(by_key) == [
       '  mixed_2wgt, native, 100 clients: round 1.700 s = x2.20 FedAvg\'s '
       '0.500 s + its central work alone 0.600 s']
