@@ -244,13 +244,11 @@ def _run_central_alone() -> list[float]:
   from pipeline import driver  # pylint: disable=g-import-not-at-top
   from tff_algos.algorithms import registry  # pylint: disable=g-import-not-at-top
   from tff_algos.runtime import native  # pylint: disable=g-import-not-at-top
-  from tff_algos.runtime import tff_process  # pylint: disable=g-import-not-at-top
   algorithm = _CHILD_ALGORITHM.value
   task = _task(algorithm)
-  definition = registry.build(algorithm, task, _settings(algorithm))
-  process = native.NativeProcess(definition, tff_process.DataFunctions(
-      client_dataset_fn=task.client_dataset_fn,
-      server_dataset_fn=task.server_dataset_fn))
+  process = driver.compose_process(
+      registry.build(algorithm, task, _settings(algorithm)), task,
+      runtime='native')
   state = process.initialize()
   seconds = []
   for round_num in range(_WARMUP_ROUNDS.value + _ROUNDS.value):
@@ -541,6 +539,11 @@ def _load() -> str:
   return ', '.join(f'{x:.2f}' for x in os.getloadavg())
 
 
+def _mode_runs(mode: str, algorithm: str) -> bool:
+  runs = MODE_ALGORITHMS[mode]
+  return runs is None or algorithm in runs
+
+
 def run_parent() -> None:
   if _QUICK.value:
     for name, value in (('clients_per_round', 10), ('rounds', 1),
@@ -575,14 +578,12 @@ def run_parent() -> None:
             f', driver sub-rounds of <= {_CLIENTS_PER_SUBROUND.value} clients'
             if _CLIENTS_PER_SUBROUND.value > 0 else ''), flush=True)
   headline = {mode: measure(mode, _CLIENTS_PER_ROUND.value)
-              for mode in modes if MODE_ALGORITHMS[mode] is None
-              or 'fedavg' in MODE_ALGORITHMS[mode]}
+              for mode in modes if _mode_runs(mode, 'fedavg')}
   records = list(headline.values())
   for algorithm in _SWEEP_ALGORITHMS.value:
     for clients in sweep:
       for mode in modes:
-        runs = MODE_ALGORITHMS[mode]
-        if runs is not None and algorithm not in runs:
+        if not _mode_runs(mode, algorithm):
           continue
         if mode == 'naive' and clients > _NAIVE_MAX_CLIENTS.value:
           continue
