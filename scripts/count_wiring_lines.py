@@ -52,7 +52,8 @@ NEW_FILES = ('tff_algos/algorithms/round.py',
              'tff_algos/algorithms/mixed/definition.py',
              'tff_algos/algorithms/scaffold/definition.py',
              'tff_algos/runtime/tff_process.py',
-             'tff_algos/runtime/native.py')
+             'tff_algos/runtime/native.py',
+             'tff_algos/runtime/server.py')
 OLD_BY_ID = ('tff_algos/contract.py', 'tff_algos/dataset_fusion.py')
 NEW_BY_ID = ('tff_algos/runtime/cohort.py',)
 

@@ -16,8 +16,8 @@ evaluation and export work unchanged, and a checkpoint written under one
 runtime resumes under the other.
 """
 
-import collections
 import concurrent.futures
+import dataclasses
 import functools
 from typing import Optional
 
@@ -29,7 +29,7 @@ from tff_algos.algorithms import round as round_lib
 from tff_algos.runtime import batched
 from tff_algos.runtime import client_states
 from tff_algos.runtime import cohort
-from tff_algos.runtime import communication
+from tff_algos.runtime import server
 from tff_algos.runtime import tff_process
 
 
@@ -110,8 +110,12 @@ class NativeProcess:
     self._initial_state = _with_tensor_scalars(
         definition.initial_server_state)
     self._broadcast = tf.function(definition.broadcast)
-    self._server_update = tf.function(
-        _with_tensor_scalars(definition.server_update))
+    # Eager but for the server update: metric finalizers build Keras
+    # metrics, which a tf.function would build again when it retraces.
+    self._server_step = functools.partial(
+        server.server_step, dataclasses.replace(
+            definition, server_update=tf.function(
+                _with_tensor_scalars(definition.server_update))))
     self._central = None
     if definition.central is not None:
       self._central = tf.function(functools.partial(
@@ -140,29 +144,12 @@ class NativeProcess:
       central = self.central_result(state, server_seed)
     message = self._broadcast(state, central)
     results = self._run_groups(message, round_num, groups)
-    total = _sum(results)
-    weight_sum = np.float32(total['weight'])
-    aggregates = collections.OrderedDict(
-        model_update=tf.nest.map_structure(
-            lambda s: np.asarray(tf.divide(s, weight_sum)),
-            total['model_update']),
-        weight_sum=weight_sum, num_clients=total['num_clients'],
-        sums=total['sums'], measurements=total['measurements'])
-    if definition.sums_model_update:
-      aggregates['model_update_sum'] = total['model_update_sum']
     if definition.central is not None and not before:
       central = self.central_result(state, server_seed)
-    new_state, algorithm_metrics = self._server_update(state, aggregates,
-                                                       central)
-    metrics = collections.OrderedDict(
-        train=_eager_finalize(definition, total['metrics']))
-    metrics.update(algorithm_metrics)
-    metrics['communication'] = self._communication_metrics(message, results[0])
-    if 'client_costs' in total:
-      mean_costs = tf.nest.map_structure(
-          lambda c: c / np.asarray(total['num_clients'], c.dtype),
-          total['client_costs'])
-      metrics = communication.with_client_costs(metrics, mean_costs)
+    new_state, metrics = self._server_step(
+        state, tf.nest.map_structure(tf.convert_to_tensor, _sum(results)),
+        central,
+        self._communication_metrics(message, results[0]))
     return to_numpy(new_state), to_numpy(metrics)
 
   def _run_groups(self, message, round_num: int, groups) -> list:
@@ -190,19 +177,12 @@ class NativeProcess:
 
   def _communication_metrics(self, message, group_result):
     if self._communication is None:
-      message_type = tff.types.tensorflow_to_type(tf.nest.map_structure(
-          tf.TensorSpec.from_tensor, message))
-      result_type = tff.types.tensorflow_to_type(tf.nest.map_structure(
-          lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)),
-          group_result))
-      down, up = communication.per_client_bytes(
-          message_type, result_type, self._definition.uploads_weight)
-      self._communication = communication.metrics(
-          down, up, communication.augmenting_bytes(
-              message_type, self._definition.augmenting_message))
+      self._communication = server.communication_metrics(
+          self._definition, _type_of(message), _type_of(group_result))
     return self._communication
 
 
-def _eager_finalize(definition, summed_metrics):
-  summed = tf.nest.map_structure(tf.convert_to_tensor, summed_metrics)
-  return to_numpy(definition.finalize_metrics(summed))
+def _type_of(structure) -> tff.Type:
+  return tff.types.tensorflow_to_type(tf.nest.map_structure(
+      lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)),
+      structure))

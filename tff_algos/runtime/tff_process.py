@@ -43,19 +43,13 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import numpy as np
-import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_algos.algorithms import round as round_lib
 from tff_algos.runtime import client_states
 from tff_algos.runtime import cohort
-from tff_algos.runtime import communication
+from tff_algos.runtime import server
 from tff_algos.runtime import tff_compiler
-
-ROUND_TYPE = tff.StructWithPythonType(
-    [('round_num', np.int64), ('server_seed', np.int64)],
-    collections.OrderedDict)
-
 
 @dataclasses.dataclass(frozen=True)
 class DataFunctions:
@@ -76,10 +70,6 @@ def group_type(has_client_state: bool) -> tff.Type:
   return tff.StructWithPythonType(fields, collections.OrderedDict)
 
 
-def _specs_of(value_type: tff.Type):
-  return tff.types.type_to_tf_tensor_specs(value_type)
-
-
 class RoundProcess:
   """A definition's TFF computations, with the driver's interface.
 
@@ -98,10 +88,9 @@ class RoundProcess:
   def next(self, state, groups, round_num: int, server_seed: int):
     round_info = collections.OrderedDict(round_num=np.int64(round_num),
                                          server_seed=np.int64(server_seed))
-    if self.prepare_computation is None:
-      return self.next_computation(state, groups, round_info)
-    central = self.prepare_computation(state, round_info)
-    return self.next_computation(state, groups, round_info, central)
+    if self.prepare_computation is not None:
+      round_info['central'] = self.prepare_computation(state, round_info)
+    return self.next_computation(state, groups, round_info)
 
 
 def build(definition: round_lib.RoundDefinition, data: DataFunctions,
@@ -123,7 +112,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
       data.server_dataset_fn is None):
     raise ValueError(f'{definition.name} needs central data and the task '
                      'has none')
-  per_client = model_aggregator is not None
+  before_clients = central is not None and central.before_clients
 
   @tff.tensorflow.computation
   def initial_algorithm_state():
@@ -131,36 +120,31 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
 
   algorithm_state_type = initial_algorithm_state.type_signature.result
 
-  central_comp = central_type = None
-  if central is not None:
+  def run_central(state, server_seed):
+    tff_compiler.mark_without_recomputation()  # Trains in a loop.
+    elements = (data.server_dataset_fn(server_seed) if central.uses_data
+                else None)
+    return central.run(central.context(), state, elements)
 
-    @tff.tensorflow.computation(algorithm_state_type, np.int64)
-    def central_comp(state, seed):
-      tff_compiler.mark_without_recomputation()  # Trains in a loop.
-      elements = (data.server_dataset_fn(seed) if central.uses_data
-                  else None)
-      return central.run(central.context(), state, elements)
+  # The round's server-placed input; 1-w GT's central result joins it.
+  round_fields = [('round_num', np.int64), ('server_seed', np.int64)]
+  if before_clients:
+    central_comp = tff.tensorflow.computation(
+        run_central, algorithm_state_type, np.int64)
+    round_fields.append(('central', central_comp.type_signature.result))
+  round_type = tff.StructWithPythonType(round_fields, collections.OrderedDict)
 
-    central_type = central_comp.type_signature.result
-
-  def broadcast_fn(state, round_num, central_result):
+  @tff.tensorflow.computation(algorithm_state_type, round_type)
+  def broadcast_comp(state, round_info):
     return collections.OrderedDict(
-        message=definition.broadcast(state, central_result),
-        round_num=round_num)
+        message=definition.broadcast(state, round_info.get('central')),
+        round_num=round_info['round_num'])
 
-  if central is not None and central.before_clients:
-    broadcast_comp = tff.tensorflow.computation(
-        broadcast_fn, algorithm_state_type, np.int64, central_type)
-  else:
-    broadcast_comp = tff.tensorflow.computation(
-        lambda state, round_num: broadcast_fn(state, round_num, None),
-        algorithm_state_type, np.int64)
   payload_type = broadcast_comp.type_signature.result
-
-  state_format_used = state_format if definition.has_client_state else None
   run_group = cohort.build_group_update(
-      definition, data.client_dataset_fn, state_format_used,
-      data.client_cost_fn, per_client=per_client)
+      definition, data.client_dataset_fn,
+      state_format if definition.has_client_state else None,
+      data.client_cost_fn, per_client=model_aggregator is not None)
 
   @tff.tensorflow.computation(payload_type,
                               group_type(definition.has_client_state))
@@ -172,183 +156,93 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     return run(payload['message'], payload['round_num'], group)
 
   result_type = group_comp.type_signature.result
-  # `in` on a TFF struct type tests its values, not its names.
-  has_client_costs = 'client_costs' in tff.structure.name_list(result_type)
+  communication_values = server.communication_metrics(
+      definition, payload_type.message, result_type)
+  summed = tff.structure.name_list(result_type)
   aggregation = None
   if model_aggregator is not None:
-    update_type = result_type.model_update
-    if isinstance(model_aggregator, tff.aggregators.WeightedAggregationFactory):
-      aggregation = model_aggregator.create(update_type, result_type.weight)
-    else:
-      aggregation = model_aggregator.create(update_type)
+    summed.remove('model_update')  # Aggregated by the factory instead.
+    weighted = isinstance(model_aggregator,
+                          tff.aggregators.WeightedAggregationFactory)
+    aggregation = model_aggregator.create(
+        result_type.model_update, *([result_type.weight] if weighted else []))
 
-  mean_type = result_type.model_update
-  aggregates_fields = [('model_update', mean_type),
-                       ('weight_sum', np.float32), ('num_clients', np.int32),
-                       ('sums', result_type.sums),
-                       ('measurements', result_type.measurements)]
-  if definition.sums_model_update:
-    aggregates_fields.append(('model_update_sum', mean_type))
-  aggregates_type = tff.StructWithPythonType(aggregates_fields,
-                                             collections.OrderedDict)
-  bytes_down, bytes_up = communication.per_client_bytes(
-      payload_type.message, result_type, definition.uploads_weight)
-  augmenting_bytes = communication.augmenting_bytes(
-      payload_type.message, definition.augmenting_message)
-
-  server_inputs = [('state', algorithm_state_type),
-                   ('aggregates', aggregates_type),
-                   ('metric_sums', result_type.metrics),
-                   ('round', ROUND_TYPE)]
-  if has_client_costs:
-    server_inputs.append(('client_costs', result_type.client_costs))
-  if central is not None and central.before_clients:
-    server_inputs.append(('central', central_type))
-  server_input_type = tff.StructWithPythonType(server_inputs,
-                                               collections.OrderedDict)
-
-  @tff.tensorflow.computation(server_input_type)
-  def server_comp(inputs):
-    aggregates = collections.OrderedDict(inputs['aggregates'])
-    central_result = inputs.get('central')
-    if central is not None and not central.before_clients:
-      tff_compiler.mark_without_recomputation()  # Central training loop.
-      elements = (data.server_dataset_fn(inputs['round']['server_seed'])
-                  if central.uses_data else None)
-      central_result = central.run(central.context(), inputs['state'],
-                                   elements)
-    new_state, algorithm_metrics = definition.server_update(
-        inputs['state'], aggregates, central_result)
-    metrics = collections.OrderedDict(
-        train=definition.finalize_metrics(inputs['metric_sums']))
-    for key, value in algorithm_metrics.items():
-      metrics[key] = value
-    metrics['communication'] = tf.nest.map_structure(
-        tf.constant, communication.metrics(bytes_down, bytes_up,
-                                           augmenting_bytes))
-    if 'client_costs' in inputs:
-      metrics = communication.with_client_costs(
-          metrics, tf.nest.map_structure(
-              lambda c: c / tf.cast(aggregates['num_clients'], c.dtype),
-              inputs['client_costs']))
+  def server_fn(inputs):
+    state, round_info = inputs['state'], inputs['round']
+    central_result = round_info.get('central')
+    if central is not None and not before_clients:
+      central_result = run_central(state, round_info['server_seed'])
+    new_state, metrics = server.server_step(
+        definition, state, inputs['totals'], central_result,
+        communication_values, inputs.get('model_update'))
+    if aggregation is not None:
+      new_state = _with_aggregator(new_state, inputs['aggregator_state'])
+      metrics['aggregator'] = inputs['aggregator_measurements']
     return new_state, metrics
 
-  @tff.tensorflow.computation(mean_type, np.float32)
-  def weighted_mean(weighted_sum, weight_sum):
-    # What tff.federated_mean(value, weight) computes from the sums.
-    return tf.nest.map_structure(lambda s: tf.divide(s, weight_sum),
-                                 weighted_sum)
+  @tff.federated_computation
+  def initialize():
+    state = tff.federated_eval(initial_algorithm_state, tff.SERVER)
+    if aggregation is None:
+      return state
+    return tff.federated_map(tff.tensorflow.computation(
+        _with_aggregator, algorithm_state_type,
+        aggregation.initialize.type_signature.result.member), (
+            state, aggregation.initialize()))
 
-  if aggregation is None:
-    state_type = algorithm_state_type
-
-    @tff.federated_computation
-    def initialize():
-      return tff.federated_eval(initial_algorithm_state, tff.SERVER)
-  else:
-
-    @tff.tensorflow.computation(algorithm_state_type,
-                                aggregation.initialize.type_signature.result.member)
-    def with_aggregator(state, aggregator_state):
-      merged = collections.OrderedDict(state)
-      merged['aggregator'] = aggregator_state
-      return merged
-
-    @tff.federated_computation
-    def initialize():
-      return tff.federated_map(with_aggregator, (
-          tff.federated_eval(initial_algorithm_state, tff.SERVER),
-          aggregation.initialize()))
-
-    state_type = initialize.type_signature.result.member
+  state_type = initialize.type_signature.result.member
 
   @tff.tensorflow.computation(state_type)
   def algorithm_part(state):
     return collections.OrderedDict(
         (k, v) for k, v in state.items() if k != 'aggregator')
 
-  def round_body(state, groups, round_info, central_result=None):
-    algorithm_state = (state if aggregation is None else
-                       tff.federated_map(algorithm_part, state))
-    if central_result is None:
-      payload = tff.federated_map(broadcast_comp, (
-          algorithm_state, round_info.round_num))
-    else:
-      payload = tff.federated_map(broadcast_comp, (
-          algorithm_state, round_info.round_num, central_result))
-    results = tff.federated_map(group_comp,
-                                (tff.federated_broadcast(payload), groups))
-    weight_sum = tff.federated_sum(results.weight)
-    measurements = None
-    if aggregation is None:
-      mean = tff.federated_map(weighted_mean, (
-          tff.federated_sum(results.model_update), weight_sum))
-    else:
-      output = aggregation.next(state.aggregator, results.model_update,
-                                *([results.weight] if isinstance(
-                                    model_aggregator,
-                                    tff.aggregators.WeightedAggregationFactory)
-                                  else []))
-      mean = output.result
-      measurements = output.measurements
-    aggregates = collections.OrderedDict(
-        model_update=mean, weight_sum=weight_sum,
-        num_clients=tff.federated_sum(results.num_clients),
-        sums=tff.federated_sum(results.sums),
-        measurements=tff.federated_sum(results.measurements))
-    if definition.sums_model_update:
-      aggregates['model_update_sum'] = tff.federated_sum(
-          results.model_update_sum)
-    server_inputs = collections.OrderedDict(
-        state=algorithm_state, aggregates=tff.federated_zip(aggregates),
-        metric_sums=tff.federated_sum(results.metrics), round=round_info)
-    if has_client_costs:
-      server_inputs['client_costs'] = tff.federated_sum(results.client_costs)
-    if central_result is not None:
-      server_inputs['central'] = central_result
-    updated = tff.federated_map(server_comp, tff.federated_zip(server_inputs))
-    new_state, metrics = updated[0], updated[1]
-    if aggregation is not None:
-      new_state = tff.federated_map(with_aggregator, (new_state, output.state))
-      metrics = tff.federated_map(
-          _with_measurements(metrics.type_signature.member,
-                             measurements.type_signature.member),
-          (metrics, measurements))
-    return new_state, metrics
+  def algorithm_state_of(state):
+    return (state if aggregation is None else
+            tff.federated_map(algorithm_part, state))
 
   server_state = tff.FederatedType(state_type, tff.SERVER)
-  cohort_type = tff.FederatedType(group_type(definition.has_client_state),
-                                  tff.CLIENTS)
-  round_at_server = tff.FederatedType(ROUND_TYPE, tff.SERVER)
+
+  @tff.federated_computation(
+      server_state,
+      tff.FederatedType(group_type(definition.has_client_state), tff.CLIENTS),
+      tff.FederatedType(round_type, tff.SERVER))
+  def next_fn(state, groups, round_info):
+    algorithm_state = algorithm_state_of(state)
+    payload = tff.federated_map(broadcast_comp, (algorithm_state, round_info))
+    results = tff.federated_map(group_comp,
+                                (tff.federated_broadcast(payload), groups))
+    server_inputs = collections.OrderedDict(
+        state=algorithm_state, round=round_info,
+        totals=tff.federated_zip(collections.OrderedDict(
+            (name, tff.federated_sum(getattr(results, name)))
+            for name in summed)))
+    if aggregation is not None:
+      output = aggregation.next(state.aggregator, results.model_update,
+                                *([results.weight] if weighted else []))
+      server_inputs.update(model_update=output.result,
+                           aggregator_state=output.state,
+                           aggregator_measurements=output.measurements)
+    server_inputs = tff.federated_zip(server_inputs)
+    server_comp = tff.tensorflow.computation(
+        server_fn, server_inputs.type_signature.member)
+    updated = tff.federated_map(server_comp, server_inputs)
+    return updated[0], updated[1]
+
   prepare = None
-  if central is not None and central.before_clients:
+  if before_clients:
 
-    @tff.federated_computation(server_state, round_at_server)
+    @tff.federated_computation(server_state, tff.FederatedType(
+        tff.StructWithPythonType(round_fields[:2], collections.OrderedDict),
+        tff.SERVER))
     def prepare(state, round_info):
-      algorithm_state = (state if aggregation is None else
-                         tff.federated_map(algorithm_part, state))
-      return tff.federated_map(central_comp,
-                               (algorithm_state, round_info.server_seed))
-
-    @tff.federated_computation(server_state, cohort_type, round_at_server,
-                               tff.FederatedType(central_type, tff.SERVER))
-    def next_fn(state, groups, round_info, central_result):
-      return round_body(state, groups, round_info, central_result)
-  else:
-
-    @tff.federated_computation(server_state, cohort_type, round_at_server)
-    def next_fn(state, groups, round_info):
-      return round_body(state, groups, round_info)
+      return tff.federated_map(central_comp, (algorithm_state_of(state),
+                                              round_info.server_seed))
 
   return RoundProcess(initialize, prepare, next_fn)
 
 
-def _with_measurements(metrics_type, measurements_type):
-
-  @tff.tensorflow.computation(metrics_type, measurements_type)
-  def merge(metrics, measurements):
-    merged = collections.OrderedDict(metrics)
-    merged['aggregator'] = measurements
-    return merged
-
-  return merge
+def _with_aggregator(state, aggregator_state):
+  merged = collections.OrderedDict(state)
+  merged['aggregator'] = aggregator_state
+  return merged
