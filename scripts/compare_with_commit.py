@@ -10,7 +10,8 @@ tree's virtualenv; each command's metrics.csv (every column but timings) and
 exported global model weights are compared exactly, and the largest
 difference is printed when they are not identical. Flags that only this tree
 has are given as `NEW_ONLY_FLAGS` (e.g. the group size, set to one client per
-group so the order of float sums is the per-client order of older commits).
+group so the order of float sums is the per-client order of older commits);
+`--same_flags` leaves them out, for commits that have them too.
 """
 
 import argparse
@@ -125,6 +126,9 @@ def main() -> int:
   parser.add_argument('--quick', action='store_true',
                       help=f'only {", ".join(QUICK)}')
   parser.add_argument('--runtimes', default='tff,native')
+  parser.add_argument('--same_flags', action='store_true',
+                      help='no NEW_ONLY_FLAGS: the commit has every flag of '
+                      'this tree (e.g. a commit after compiled cohorts)')
   args = parser.parse_args()
   work = tempfile.mkdtemp(prefix='compare_')
   old_tree = os.path.join(work, 'tree')
@@ -139,7 +143,7 @@ def main() -> int:
         old = _train(old_tree, name, runtime,
                      os.path.join(work, 'old', runtime), [])
         new = _train(ROOT, name, runtime, os.path.join(work, 'new', runtime),
-                     NEW_ONLY_FLAGS)
+                     [] if args.same_flags else NEW_ONLY_FLAGS)
         verdict, notes = compare(old, new)
         identical += verdict == 'identical'
         print(f'{runtime:6s} {name:15s} {verdict}' +

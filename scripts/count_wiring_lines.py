@@ -24,7 +24,12 @@ counted apart:
   their `math.py`, as it was in `*_tf.py`, counted on neither side);
 - features of other issues merged meanwhile: pluggable model aggregators
   (DP, compression, secure sum: `--aggregator`) in the TFF builder, and
-  batched cohorts (`--batched_cohorts`) in the native executor.
+  batched cohorts (`--batched_cohorts`) in the native executor. These are
+  lines, not units: the physical lines that name one of the feature's
+  values (`FEATURE_NAMES`), the bodies of `if` statements that test one,
+  and functions named by one.
+The server's part of a round that both runtimes share
+(`runtime/server.py`) is counted on the new side.
 A second table adds what turns the old dataset-level processes into the
 by-id processes the driver runs (`contract.py`, `dataset_fusion.py`) against
 its new form (`runtime/cohort.py`, which also runs the client work's steps
@@ -89,18 +94,22 @@ def _new_unit(path: str, node: ast.AST) -> str:
                                                'fed_sgd_work',
                                                '_reset_metrics'):
     return CLIENT_MATH
-  if path.endswith('runtime/tff_process.py') and isinstance(
-      node, (ast.FunctionDef, ast.ClassDef)) and (
-          node.name in AGGREGATOR_UNITS):
-    return OTHER_ISSUES
   return ''
 
 
-# The TFF builder's units that serve `--aggregator` only.
-AGGREGATOR_UNITS = ('_FactoryAggregation', '_with_measurements')
-# Lines of the native executor that serve `--batched_cohorts` only: the
-# simple statements (and `if` headers) that name one of these.
-BATCHED_NAMES = ('batched', 'side_by_side', 'batched_cohorts')
+# Lines of a new file that serve one feature of another issue only: physical
+# lines that name one of these values, the bodies of `if` statements whose
+# test names one, and functions named by one (`_feature_lines`).
+FEATURE_NAMES = {
+    # `--batched_cohorts` in the native executor.
+    'tff_algos/runtime/native.py': ('batched', 'side_by_side',
+                                    'batched_cohorts'),
+    # `--aggregator` (TFF's aggregators for the model update) in the TFF
+    # builder: the factory, its process, its state in the server state.
+    'tff_algos/runtime/tff_process.py': (
+        'model_aggregator', 'aggregation', 'weighted', 'algorithm_part',
+        'algorithm_state_of', '_with_aggregator'),
+}
 
 
 @dataclasses.dataclass
@@ -148,18 +157,19 @@ def _names_in(node: ast.AST) -> set[str]:
               n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
 
 
-def _batched_lines(tree: ast.AST) -> set[int]:
-  """Lines of statements that name only the batched cohorts' values."""
+def _feature_lines(tree: ast.AST, source: str, names) -> set[int]:
+  """Lines that serve only the feature whose values are `names`."""
+  names = set(names)
   lines = set()
   for node in ast.walk(tree):
-    if isinstance(node, ast.If) and set(BATCHED_NAMES) & _names_in(node.test):
+    if isinstance(node, ast.If) and names & _names_in(node.test):
       lines.update(range(node.lineno, node.test.end_lineno + 1))
       lines.update(*(_span(s) for s in node.body))
-    elif isinstance(node, ast.stmt) and not hasattr(node, 'body') and (
-        set(BATCHED_NAMES) & _names_in(node)):
+    elif isinstance(node, ast.FunctionDef) and node.name in names:
       lines.update(_span(node))
-    elif isinstance(node, ast.arg) and node.arg in BATCHED_NAMES:
-      lines.update(range(node.lineno, node.end_lineno + 1))
+  for token in tokenize.generate_tokens(io.StringIO(source).readline):
+    if token.type == tokenize.NAME and token.string in names:
+      lines.add(token.start[0])
   return lines
 
 
@@ -173,8 +183,8 @@ def count_file(source: str, path: str, classify) -> dict[str, Count]:
     if category:
       for line in _span(node):
         category_of_line[line] = category
-  if path.endswith('runtime/native.py') and classify is _new_unit:
-    for line in _batched_lines(tree):
+  if classify is _new_unit and path in FEATURE_NAMES:
+    for line in _feature_lines(tree, source, FEATURE_NAMES[path]):
       category_of_line.setdefault(line, OTHER_ISSUES)
   counts = {}
   for line in range(1, len(source.splitlines()) + 1):

@@ -71,6 +71,15 @@ def finalize_metrics(metric_finalizers, summed_metrics):
       for name, finalizer in metric_finalizers.items())
 
 
+def client_fields(model_fn: ModelFn, info: ModelInfo) -> dict[str, Any]:
+  """A round definition's client context, per-client reset and metric
+  finalization when the clients train a tff.learning model."""
+  return dict(client_context=model_fn,
+              reset_client=lambda model: model.reset_metrics(),
+              finalize_metrics=lambda sums: finalize_metrics(
+                  info.metric_finalizers, sums))
+
+
 def _in_context(finalizer):
   # A Keras metric's finalizer is a tf.function that builds a fresh metric
   # (variables) per call: fine once in a TFF computation's graph, refused

@@ -19,6 +19,7 @@ runtime resumes under the other.
 import concurrent.futures
 import dataclasses
 import functools
+import queue
 from typing import Optional
 
 import numpy as np
@@ -34,8 +35,17 @@ from tff_algos.runtime import tff_process
 
 
 def to_numpy(structure):
-  """Tensors -> numpy arrays, containers kept (as the TFF runtime returns)."""
-  return tf.nest.map_structure(np.asarray, structure)
+  """Tensors -> numpy arrays, containers kept (as the TFF runtime returns).
+
+  Python numbers take the dtypes TFF's type system gives them (float32,
+  int32): tff.learning's optimizers keep hyperparameters (learning rate,
+  momentum) as Python floats in their state, which numpy would make float64,
+  and a later step would mix dtypes.
+  """
+  return tf.nest.map_structure(
+      lambda leaf: np.asarray(tf.convert_to_tensor(leaf))
+      if isinstance(leaf, (int, float)) and not isinstance(leaf, bool)
+      else np.asarray(leaf), structure)
 
 
 def graph_mode_dataset_fn(dataset_fn):
@@ -55,30 +65,6 @@ def graph_mode_dataset_fn(dataset_fn):
   return build
 
 
-def _with_tensor_scalars(fn):
-  """`fn` with Python number leaves of its result made tensors.
-
-  tff.learning's optimizers keep hyperparameters (learning rate, momentum)
-  as Python floats in their state; TFF's type system makes them float32,
-  while numpy would make them float64 and a later step would mix dtypes.
-  """
-
-  def converted(*args):
-    return tf.nest.map_structure(
-        lambda leaf: tf.convert_to_tensor(leaf)
-        if isinstance(leaf, (int, float)) and not isinstance(leaf, bool)
-        else leaf, fn(*args))
-
-  return converted
-
-
-def _sum(structures):
-  total = structures[0]
-  for structure in structures[1:]:
-    total = tf.nest.map_structure(np.add, total, structure)
-  return total
-
-
 class NativeProcess:
   """initialize() -> state; next(state, groups, round_num, server_seed)."""
 
@@ -90,7 +76,6 @@ class NativeProcess:
     client axis on a GPU and one after another on a CPU; 'on'/'off' force
     either (`runtime.batched`; unsupported rounds keep the loop)."""
     self._definition = definition
-    self._data = data
     dataset_fn = graph_mode_dataset_fn(data.client_dataset_fn)
     side_by_side = batched.group_update_or_none(
         definition, dataset_fn, data.client_cost_fn, batched_cohorts)
@@ -107,15 +92,12 @@ class NativeProcess:
       # context (models, variables): lanes must not share variables.
       self._lanes = [group_update(definition.client_context())
                      for _ in range(cohort.native_lanes())]
-    self._initial_state = _with_tensor_scalars(
-        definition.initial_server_state)
     self._broadcast = tf.function(definition.broadcast)
     # Eager but for the server update: metric finalizers build Keras
     # metrics, which a tf.function would build again when it retraces.
     self._server_step = functools.partial(
         server.server_step, dataclasses.replace(
-            definition, server_update=tf.function(
-                _with_tensor_scalars(definition.server_update))))
+            definition, server_update=tf.function(definition.server_update)))
     self._central = None
     if definition.central is not None:
       self._central = tf.function(functools.partial(
@@ -126,7 +108,7 @@ class NativeProcess:
     self._communication = None
 
   def initialize(self):
-    return to_numpy(self._initial_state())
+    return to_numpy(self._definition.initial_server_state())
 
   def central_result(self, state, server_seed: int):
     """The round's central work alone (`benchmarks.rounds` times it)."""
@@ -137,49 +119,44 @@ class NativeProcess:
 
   def next(self, state, groups, round_num: int, server_seed: int):
     definition = self._definition
-    central = None
     before = definition.central is not None and (
         definition.central.before_clients)
-    if before:
-      central = self.central_result(state, server_seed)
+    central = self.central_result(state, server_seed) if before else None
     message = self._broadcast(state, central)
     results = self._run_groups(message, round_num, groups)
     if definition.central is not None and not before:
       central = self.central_result(state, server_seed)
+    if self._communication is None:
+      self._communication = server.communication_metrics(
+          definition, _type_of(message), _type_of(results[0]))
+    totals = functools.reduce(
+        lambda a, b: tf.nest.map_structure(np.add, a, b), results)
     new_state, metrics = self._server_step(
-        state, tf.nest.map_structure(tf.convert_to_tensor, _sum(results)),
-        central,
-        self._communication_metrics(message, results[0]))
+        state, tf.nest.map_structure(tf.convert_to_tensor, totals), central,
+        self._communication)
     return to_numpy(new_state), to_numpy(metrics)
 
   def _run_groups(self, message, round_num: int, groups) -> list:
-    """Every group's result, in order; lane j runs groups j, j+L, j+2L...
+    """Every group's result, in order, each run on a free lane.
 
     Lanes run concurrently (TF executes outside Python's GIL), as TFF's
     worker runs its clients; each group's result depends only on the group,
     so the sums do not depend on the timing.
     """
+    free_lanes = queue.SimpleQueue()
+    for lane in self._lanes:
+      free_lanes.put(lane)
 
-    def run_lane(lane: int):
-      return [(position, to_numpy(self._lanes[lane](
-          message, tf.constant(round_num, tf.int64),
-          {key: tf.constant(value) for key, value in groups[position].items()
-           })))
-              for position in range(lane, len(groups), len(self._lanes))]
+    def run(group):
+      lane = free_lanes.get()
+      try:
+        return to_numpy(lane(message, tf.constant(round_num, tf.int64), {
+            key: tf.constant(value) for key, value in group.items()}))
+      finally:
+        free_lanes.put(lane)
 
-    lanes = min(len(self._lanes), len(groups))
-    if lanes <= 1:
-      return [result for _, result in run_lane(0)]
-    with concurrent.futures.ThreadPoolExecutor(lanes) as pool:
-      done = [item for items in pool.map(run_lane, range(lanes))
-              for item in items]
-    return [result for _, result in sorted(done, key=lambda item: item[0])]
-
-  def _communication_metrics(self, message, group_result):
-    if self._communication is None:
-      self._communication = server.communication_metrics(
-          self._definition, _type_of(message), _type_of(group_result))
-    return self._communication
+    with concurrent.futures.ThreadPoolExecutor(len(self._lanes)) as pool:
+      return list(pool.map(run, groups))
 
 
 def _type_of(structure) -> tff.Type:

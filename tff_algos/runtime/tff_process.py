@@ -70,17 +70,18 @@ def group_type(has_client_state: bool) -> tff.Type:
   return tff.StructWithPythonType(fields, collections.OrderedDict)
 
 
+@dataclasses.dataclass(frozen=True)
 class RoundProcess:
   """A definition's TFF computations, with the driver's interface.
 
   initialize() -> server state
   next(state, groups, round_num, server_seed) -> (state, metrics)
   """
-
-  def __init__(self, initialize_comp, prepare_comp, next_comp):
-    self.initialize_computation = initialize_comp
-    self.prepare_computation = prepare_comp
-    self.next_computation = next_comp
+  initialize_computation: tff.Computation
+  # (state, <round_num, server_seed>) -> central result; None unless the
+  # broadcast needs central work (1-w GT).
+  prepare_computation: Optional[tff.Computation]
+  next_computation: tff.Computation
 
   def initialize(self):
     return self.initialize_computation()
@@ -144,7 +145,8 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
   run_group = cohort.build_group_update(
       definition, data.client_dataset_fn,
       state_format if definition.has_client_state else None,
-      data.client_cost_fn, per_client=model_aggregator is not None)
+      data.client_cost_fn,
+      per_client=model_aggregator is not None)
 
   @tff.tensorflow.computation(payload_type,
                               group_type(definition.has_client_state))
@@ -236,7 +238,8 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
         tff.StructWithPythonType(round_fields[:2], collections.OrderedDict),
         tff.SERVER))
     def prepare(state, round_info):
-      return tff.federated_map(central_comp, (algorithm_state_of(state),
+      algorithm_state = algorithm_state_of(state)
+      return tff.federated_map(central_comp, (algorithm_state,
                                               round_info.server_seed))
 
   return RoundProcess(initialize, prepare, next_fn)

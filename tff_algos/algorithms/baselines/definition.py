@@ -80,11 +80,8 @@ def _definition(name: str, model_fn: keras_model.ModelFn, settings,
   return round_lib.RoundDefinition(
       name=name, settings=settings,
       initial_server_state=initial_server_state, broadcast=broadcast,
-      client_context=model_fn, client_work=client_work_fn(info),
-      reset_client=lambda model: model.reset_metrics(),
-      server_update=server_update,
-      finalize_metrics=lambda sums: keras_model.finalize_metrics(
-          info.metric_finalizers, sums))
+      client_work=client_work_fn(info), server_update=server_update,
+      **keras_model.client_fields(model_fn, info))
 
 
 def model_delta_work(client_optimizer: tff.learning.optimizers.Optimizer,

@@ -195,15 +195,12 @@ def definition(name: str, task, settings) -> round_lib.RoundDefinition:
   return round_lib.RoundDefinition(
       name=name, settings=settings,
       initial_server_state=initial_server_state, broadcast=broadcast,
-      client_context=model_fn,
       client_work=math.client_work(round_settings, client_optimizer,
                                    info.trainable_specs),
-      reset_client=lambda model: model.reset_metrics(),
       server_update=server_update,
-      finalize_metrics=lambda sums: keras_model.finalize_metrics(
-          info.metric_finalizers, sums),
       central=round_lib.CentralWork(
           context=model_fn, run=run_central,
           before_clients=name == ONE_WAY_GT, uses_data=not data_free),
       augmenting_message='augmenting_gradient',
-      sums_model_update=keeps_augmenting_gradients)
+      sums_model_update=keeps_augmenting_gradients,
+      **keras_model.client_fields(model_fn, info))

@@ -133,16 +133,12 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
   return round_lib.RoundDefinition(
       name=name, settings=settings,
       initial_server_state=initial_server_state, broadcast=broadcast,
-      client_context=model_fn,
       client_work=math.build_client_work(
           client_optimizer, settings.client_learning_rate, mask,
           settings.scaffold_option, uniform, info.trainable_specs,
           layer_of_variable if settings.drift_diversity else None),
-      reset_client=lambda model: model.reset_metrics(),
-      server_update=server_update,
-      finalize_metrics=lambda sums: keras_model.finalize_metrics(
-          info.metric_finalizers, sums),
-      initial_client_state=initial_client_state)
+      server_update=server_update, initial_client_state=initial_client_state,
+      **keras_model.client_fields(model_fn, info))
 
 
 def scaffold(task, settings: ScaffoldSettings) -> round_lib.RoundDefinition:
