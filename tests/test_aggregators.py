@@ -6,6 +6,10 @@
   one client, as the aggregators run, so float sums add in the same order);
 - dp's epsilon is dp_accounting's, and what the aggregator reports it added;
 - a dp run with noise resumes bit-identically (noise included);
+- compression's seeded quantization: tensor_encoding's uniform quantization
+  within one step, unbiased, the same draws for the same (seed, round,
+  tensor), exact sums of small tensors; a compression run repeats itself and
+  resumes bit-identically;
 - DP mixed FL runs end to end through binaries.train on celeba_smile
   synthetic data and logs epsilon every round;
 - usage errors of the aggregator flags.
@@ -21,6 +25,7 @@ import dp_accounting
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
 from absl import flags
 
 from binaries import flags_lib
@@ -28,6 +33,7 @@ from pipeline import driver
 from tasks import base
 from tff_algos.aggregation import accounting
 from tff_algos.aggregation import factories
+from tff_algos.aggregation import seeded_quantization
 from tff_algos.algorithms import registry
 import fedres_testing
 import test_native_runtime
@@ -180,6 +186,85 @@ def test_dp_resume_is_bit_identical(tasks, tmp_path, tmp_path_factory):
                ) == pytest.approx(1.0)
   # The aggregator (clip, noise) acted: the first round is not the mean's.
   mean = _mean_run('scaffold', tasks, tmp_path_factory)
+  assert any(not np.allclose(a, b) for a, b in zip(
+      _flat(first.model_weights), _flat(mean.model_weights)))
+
+
+def test_quantized_is_within_one_step_unbiased_and_seeded():
+  x = tf.constant(np.random.default_rng(0).normal(size=200), tf.float32)
+  step = (float(tf.reduce_max(x)) - float(tf.reduce_min(x))) / 15
+  draws = np.stack([seeded_quantization.quantized(
+      x, 4, tf.constant([7, r], tf.int64)).numpy() for r in range(400)])
+  assert np.all(np.abs(draws - x.numpy()) <= step * (1 + 1e-5))
+  # Unbiased: the mean of 400 draws is within a tenth of a step of x (a
+  # rounding that always went down or to the nearest would be off by up to a
+  # half step on average: this checks the draws are random in the right way).
+  assert np.mean(np.abs(draws.mean(axis=0) - x.numpy())) < 0.1 * step
+  assert np.mean(np.abs(draws[0] - x.numpy())) > 0.1 * step
+  again = seeded_quantization.quantized(x, 4, tf.constant([7, 0], tf.int64))
+  np.testing.assert_array_equal(again.numpy(), draws[0])
+  assert not np.array_equal(draws[0], draws[1])
+  # Another tensor (another client's) draws its own uniforms with the same
+  # key: 1 bit, halves rounded to 0 or 1 by the draws.
+  halves = np.full(1000, 0.5, np.float32)
+  halves[:2] = 0.0, 1.0
+  other = halves.copy()
+  other[2] = 0.25
+  key = tf.constant([7, 0], tf.int64)
+  rounded = seeded_quantization.quantized(tf.constant(halves), 1, key).numpy()
+  rounded_other = seeded_quantization.quantized(tf.constant(other), 1,
+                                                key).numpy()
+  assert 300 < np.sum(rounded[3:]) < 700
+  assert not np.array_equal(rounded[3:], rounded_other[3:])
+  constant = tf.fill([30], 2.5)
+  np.testing.assert_array_equal(
+      seeded_quantization.quantized(constant, 8, tf.constant([1, 1], tf.int64)
+                                    ).numpy(), constant.numpy())
+
+
+def test_seeded_quantized_sum_repeats_per_round_and_sums_small_tensors():
+  value_type = tff.types.tensorflow_to_type(
+      [tf.TensorSpec([64], tf.float32), tf.TensorSpec([3], tf.float32)])
+  process = seeded_quantization.SeededQuantizedSumFactory(
+      bits=2, threshold=10, seed=5).create(value_type)
+  rng = np.random.default_rng(1)
+  clients = [[rng.normal(size=64).astype(np.float32),
+              rng.normal(size=3).astype(np.float32)] for _ in range(3)]
+  state = process.initialize()
+  first = process.next(state, clients)
+  again = process.next(state, clients)
+  np.testing.assert_array_equal(first.result[0], again.result[0])
+  np.testing.assert_allclose(first.result[1], sum(c[1] for c in clients),
+                             rtol=1e-6)
+  exact = sum(c[0] for c in clients)
+  steps = sum((c[0].max() - c[0].min()) / 3 for c in clients)
+  assert np.all(np.abs(first.result[0] - exact) <= steps * (1 + 1e-5))
+  assert not np.allclose(first.result[0], exact)  # It quantized.
+  assert int(first.state['round']) == 1
+  second = process.next(first.state, clients)
+  assert not np.array_equal(second.result[0], first.result[0])
+
+
+def test_compression_run_repeats_itself_and_resumes_bit_identically(
+    tasks, tmp_path, monkeypatch):
+  # Every tensor of the tiny model quantized (threshold 0), to 2 bits.
+  monkeypatch.setattr(factories, 'COMPRESSION_THRESHOLD', 0)
+  compression = factories.AggregatorSettings(
+      aggregator=factories.COMPRESSION, clip_norm=math.inf, zeroing=False,
+      compression_bits=2, noise_seed=3)
+  whole = _train('fedavg', tasks, tmp_path / 'whole', compression,
+                 total_rounds=2)
+  repeated = _train('fedavg', tasks, tmp_path / 'repeated', compression,
+                    total_rounds=2)
+  first = _train('fedavg', tasks, tmp_path / 'parts', compression,
+                 total_rounds=1, rounds_per_checkpoint=1)
+  resumed = _train('fedavg', tasks, tmp_path / 'parts', compression,
+                   total_rounds=2)
+  for run in (repeated, resumed):
+    for got, want in zip(_flat(run.server_state), _flat(whole.server_state)):
+      np.testing.assert_array_equal(got, want)
+  # The quantization acted: the first round is not the mean's.
+  mean = _train('fedavg', tasks, tmp_path / 'mean', total_rounds=1)
   assert any(not np.allclose(a, b) for a, b in zip(
       _flat(first.model_weights), _flat(mean.model_weights)))
 

@@ -10,7 +10,8 @@ their parameters as settings:
   robust       the weighted mean after L2 clipping and zeroing
   dp           Gaussian DP mean (fixed L2 clip, seeded noise; unweighted, as
                every tff.aggregators DP mean), optionally after zeroing
-  compression  the weighted mean of uniformly quantized updates, after
+  compression  the weighted mean of uniformly quantized updates (tensors
+               above COMPRESSION_THRESHOLD elements; seeded rounding), after
                clipping and zeroing
   secure       the weighted mean by secure summation, after clipping and
                zeroing
@@ -22,7 +23,10 @@ except for dp, where it is off: its adaptive threshold is estimated from the
 clients' norms without noise, outside the DP guarantee.
 
 DP's clip is fixed because its noise must be seeded for exact resumes
-(`seeded_gaussian`); TFF's adaptive DP clipping draws unseeded noise.
+(`seeded_gaussian`); TFF's adaptive DP clipping draws unseeded noise. For the
+same reason compression's stochastic rounding is seeded
+(`seeded_quantization`): TFF's `EncodedSumFactory` rounds with unseeded
+random numbers, so runs with the same flags differed.
 """
 
 import dataclasses
@@ -33,8 +37,11 @@ import tensorflow_federated as tff
 import tensorflow_privacy as tfp
 
 from tff_algos.aggregation import seeded_gaussian
+from tff_algos.aggregation import seeded_quantization
 from tff_algos.algorithms import settings as settings_lib
 
+# Tensors of more elements are quantized (tff.learning's compression_aggregator).
+COMPRESSION_THRESHOLD = 20000
 MEAN = 'mean'
 ROBUST = 'robust'
 DP = 'dp'
@@ -64,7 +71,7 @@ class AggregatorSettings:
   dp_clients_per_round: Optional[int] = None
   dp_target_delta: Optional[float] = None
   compression_bits: int = 8
-  # Seed of the DP noise.
+  # Seed of the DP noise and of compression's stochastic rounding.
   noise_seed: int = 0
 
   def __post_init__(self):
@@ -128,8 +135,9 @@ def build(settings: AggregatorSettings, clients_per_round: int
   else:
     if name == COMPRESSION:
       aggregator = tff.aggregators.MeanFactory(
-          tff.aggregators.EncodedSumFactory.quantize_above_threshold(
-              quantization_bits=settings.compression_bits, threshold=20000))
+          seeded_quantization.SeededQuantizedSumFactory(
+              settings.compression_bits, COMPRESSION_THRESHOLD,
+              settings.noise_seed))
     elif secure:
       aggregator = _secure_mean()
     else:
