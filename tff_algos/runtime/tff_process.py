@@ -4,12 +4,14 @@
 RoundDefinition` as TFF computations:
 
   initialize: ( -> state@SERVER)
-  prepare:    (state@SERVER, round@SERVER -> central@SERVER)
+  prepare:    (state@SERVER, <round_num, server_seed>@SERVER
+               -> central@SERVER)
               only when the broadcast needs central work (1-w GT)
-  next:       (state@SERVER, cohort@CLIENTS, round@SERVER[, central@SERVER])
+  next:       (state@SERVER, cohort@CLIENTS, round@SERVER)
               -> <state@SERVER, metrics@SERVER>
 
-`round` is <round_num, server_seed>; each TFF client of `cohort` is a group
+`round` is <round_num, server_seed[, central]>, with `prepare`'s result as
+`central` when there is one; each TFF client of `cohort` is a group
 of the round's clients <ids, seeds[, versions]> (`runtime.cohort`): its
 computation builds every client's dataset, reads and writes every client's
 state, and returns the group's sums, so per client only an id, a seed and a
@@ -128,7 +130,8 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     return central.run(central.context(), state, elements)
 
   # The round's server-placed input; 1-w GT's central result joins it.
-  round_fields = [('round_num', np.int64), ('server_seed', np.int64)]
+  seed_fields = [('round_num', np.int64), ('server_seed', np.int64)]
+  round_fields = list(seed_fields)
   if before_clients:
     central_comp = tff.tensorflow.computation(
         run_central, algorithm_state_type, np.int64)
@@ -235,7 +238,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
   if before_clients:
 
     @tff.federated_computation(server_state, tff.FederatedType(
-        tff.StructWithPythonType(round_fields[:2], collections.OrderedDict),
+        tff.StructWithPythonType(seed_fields, collections.OrderedDict),
         tff.SERVER))
     def prepare(state, round_info):
       algorithm_state = algorithm_state_of(state)
