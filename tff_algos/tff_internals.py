@@ -61,7 +61,6 @@ from tensorflow_federated.python.core.impl.execution_contexts import mergeable_c
 from tensorflow_federated.python.core.impl.executor_stacks import executor_factory
 from tensorflow_federated.python.core.impl.types import computation_types
 from tensorflow_federated.python.core.impl.utils import tensorflow_utils
-from tensorflow_federated.python.learning import tensor_utils
 from tensorflow_federated.python.learning.templates import apply_optimizer_finalizer
 from tensorflow_federated.python.simulation.baselines import keras_metrics
 from tensorflow_federated.python.simulation.baselines.stackoverflow import word_prediction_models
@@ -71,10 +70,6 @@ from tensorflow_federated.python.tensorflow_libs import serialization_utils
 # pylint: enable=g-import-not-at-top,g-bad-import-order,wrong-import-position
 
 # --- tff.learning ------------------------------------------------------------
-
-# structure -> (structure with every value zeroed if any is not finite,
-# 1 if it was so else 0): what tff.learning's client updates apply.
-zero_all_if_any_non_finite = tensor_utils.zero_all_if_any_non_finite
 
 # (optimizer_state, update) -> (reject?, measurements): tff.learning's
 # finalizer rejects a non-finite update, keeping weights and state.

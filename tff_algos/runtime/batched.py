@@ -456,7 +456,7 @@ def _stacked_batches(client_dataset_fn, ids, seeds, x_of, y_of):
   """
   count = tf.shape(ids, out_type=tf.int32)[0]
   stream = cohort.group_stream(client_dataset_fn, ids, seeds, passes=1)
-  _, _, _, batch_spec = stream.element_spec
+  _, batch_spec = stream.element_spec
   # The group's examples end to end, and each batch's client and size.
   examples = [tf.TensorArray(spec.dtype, size=0, dynamic_size=True,
                              infer_shape=False, element_shape=spec.shape)
@@ -464,7 +464,7 @@ def _stacked_batches(client_dataset_fn, ids, seeds, x_of, y_of):
   owners = tf.TensorArray(tf.int32, size=0, dynamic_size=True)
   sizes = tf.TensorArray(tf.int32, size=0, dynamic_size=True)
   batches = tf.constant(0, tf.int32)
-  for index, _, is_marker, batch in iter(stream):
+  for (index, _, is_marker), batch in iter(stream):
     if tf.logical_not(is_marker):
       examples = [array.write(batches, part) for array, part in zip(
           examples, (x_of(batch), y_of(batch)))]

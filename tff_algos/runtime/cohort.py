@@ -61,7 +61,11 @@ def empty_batch(element_spec):
 
 def group_stream(client_dataset_fn: Callable, ids: tf.Tensor,
                   seeds: tf.Tensor, passes: int) -> tf.data.Dataset:
-  """(client index, pass, end-of-pass marker?, batch) of a group, in order."""
+  """((client index, pass, end-of-pass marker?), batch) of a group, in order.
+
+  Each batch is zipped with its tag rather than mapped to one: a `map` is a
+  function every client's iterator instantiates and calls per batch.
+  """
 
   def client_elements(index, client_id, seed):
     dataset = client_dataset_fn(client_id, seed)
@@ -70,13 +74,12 @@ def group_stream(client_dataset_fn: Callable, ids: tf.Tensor,
     for pass_index in range(passes):
       # Each pass iterates the same dataset again, as a second loop over a
       # dataset value does (a shuffled dataset reshuffles).
-      batches = dataset.map(
-          lambda *batch, p=pass_index: (index, p, False,
-                                        batch[0] if len(batch) == 1
-                                        else batch))
-      marker = tf.data.Dataset.from_tensors((index, pass_index, True,
-                                             marker_batch))
-      part = batches.concatenate(marker)
+      pass_tensor = tf.constant(pass_index, tf.int32)
+      tags = tf.data.Dataset.from_tensors(
+          (index, pass_tensor, tf.constant(False))).repeat()
+      marker = tf.data.Dataset.from_tensors(
+          ((index, pass_tensor, tf.constant(True)), marker_batch))
+      part = tf.data.Dataset.zip((tags, dataset)).concatenate(marker)
       elements = part if elements is None else elements.concatenate(part)
     return elements
 
@@ -167,7 +170,7 @@ def build_group_update(definition: round_lib.RoundDefinition,
       current = tf.constant(0, tf.int32)
       # iter(): a while loop over an iterator; a loop over the dataset itself
       # would run every step inside tf.data's reduce, several times slower.
-      for index, pass_index, is_marker, batch in iter(group_stream(
+      for (index, pass_index, is_marker), batch in iter(group_stream(
           client_dataset_fn, group['ids'], group['seeds'], work.passes)):
         # tf.not_equal, not !=: TFF traces its computations in a TF1 graph,
         # where a tensor's == and != compare identities, in Python.

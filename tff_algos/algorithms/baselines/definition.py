@@ -13,6 +13,7 @@ Server state: <global_model_weights, server_optimizer_state>.
 
 import collections
 import dataclasses
+import functools
 
 import tensorflow as tf
 import tensorflow_federated as tff
@@ -126,7 +127,7 @@ def model_delta_work(client_optimizer: tff.learning.optimizers.Optimizer,
   def finish(model, message, client_state, carry):
     del client_state
     trainable = ModelWeights.from_model(model).trainable
-    update, non_finite = tff_internals.zero_all_if_any_non_finite(
+    update, non_finite = zero_all_if_any_non_finite(
         tf.nest.map_structure(tf.subtract,
                               message['global_model_weights'].trainable,
                               trainable))
@@ -144,6 +145,33 @@ def model_delta_work(client_optimizer: tff.learning.optimizers.Optimizer,
         metrics=model.report_local_unfinalized_metrics())
 
   return round_lib.ClientWork(start=start, steps=(step,), finish=finish)
+
+
+def zero_all_if_any_non_finite(structure):
+  """(structure, 0), or (zeros like it, 1) if any value is not finite.
+
+  What tff.learning's client updates apply (its `tensor_utils` function of
+  the same name), with one read of each tensor in the common case: a sum
+  with an inf or NaN term is not finite, so when every tensor's sum is
+  finite so is every value. Only a non-finite sum (a non-finite value, or
+  finite values whose sum overflows) takes tff.learning's elementwise test,
+  which writes a mask as large as the update.
+  """
+  flat = tf.nest.flatten(structure)
+  if not flat:
+    return structure, tf.constant(0)
+
+  def all_true(flags):
+    return functools.reduce(tf.logical_and, flags)
+
+  all_finite = tf.cond(
+      all_true([tf.math.is_finite(tf.reduce_sum(t)) for t in flat]),
+      lambda: tf.constant(True),
+      lambda: all_true([tf.reduce_all(tf.math.is_finite(t)) for t in flat]))
+  return tf.cond(
+      all_finite, lambda: (structure, tf.constant(0)),
+      lambda: (tf.nest.map_structure(tf.zeros_like, structure),
+               tf.constant(1)))
 
 
 def _reset_metrics(model):
@@ -182,7 +210,7 @@ def fed_sgd_work(info: keras_model.ModelInfo) -> round_lib.ClientWork:
     del message, client_state
     metrics = model.report_local_unfinalized_metrics()
     average = [s / carry['num_examples'] for s in carry['gradient_sums']]
-    average, non_finite = tff_internals.zero_all_if_any_non_finite(average)
+    average, non_finite = zero_all_if_any_non_finite(average)
     weight = tf.cond(non_finite > 0, lambda: tf.constant(0.0),
                      lambda: carry['num_examples'])
     return round_lib.ClientResult(model_update=list(average), weight=weight,
