@@ -49,6 +49,7 @@ ratio_naive_over_bound=<(b)/(c)>, the ceiling of (b)/(a) on this task).
       --sweep_algorithms=fedavg,scaffold,fedres_avg,mixed_2wgt  # README
   python -m benchmarks.rounds --modes=tff,native --sweep_clients=1000 \
       --clients_per_subround=100 --sweep_algorithms=...  # 1000 clients
+  python -m benchmarks.rounds ... --run_root=/dev/shm  # states on a tmpfs
 """
 
 import concurrent.futures
@@ -109,6 +110,12 @@ _CLIENTS_PER_GROUP = flags.DEFINE_integer(
 _BOUND_THREADS = flags.DEFINE_integer(
     'bound_threads', 0,
     'Threads running (c)\'s clients concurrently (0: one per CPU).')
+_RUN_ROOT = flags.DEFINE_string(
+    'run_root', None,
+    'Where each run\'s directory (its client-state store and (c)\'s state '
+    'files included) is made; default the system\'s temporary directory. A '
+    'tmpfs (e.g. /dev/shm) leaves the file system out of the client-state '
+    'store\'s cost.')
 _MODES = flags.DEFINE_list(
     'modes', ['tff', 'native', 'naive', 'bound'],
     'Which of (a) tff and native, (b) naive, (c) bound and central (mixed '
@@ -481,7 +488,7 @@ def run_child() -> None:
 def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
   """Runs one child; returns its median timed round and peak RSS."""
   import psutil  # pylint: disable=g-import-not-at-top
-  output_dir = tempfile.mkdtemp(prefix='benchmark_')
+  output_dir = tempfile.mkdtemp(prefix='benchmark_', dir=_RUN_ROOT.value)
   command = [sys.executable, '-m', 'benchmarks.rounds', f'--child={mode}',
              f'--child_clients={clients}', f'--child_algorithm={algorithm}',
              f'--child_output_dir={output_dir}']
@@ -558,6 +565,8 @@ def run_parent() -> None:
     raise UsageError('--clients_per_round and --sweep_clients must be >= 1')
   if _BOUND_THREADS.value < 0:
     raise UsageError(f'--bound_threads must be >= 0, got {_BOUND_THREADS.value}')
+  if _RUN_ROOT.value is not None and not os.path.isdir(_RUN_ROOT.value):
+    raise UsageError(f'--run_root={_RUN_ROOT.value} is not a directory')
   modes = [m for m in MODES if m in _MODES.value]
   unknown = sorted(set(_MODES.value) - set(MODES))
   if unknown or not modes:
