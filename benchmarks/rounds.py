@@ -18,7 +18,10 @@ each in its own process:
   central:    mixed FL's central work alone (its central data's batches and
               the central update on the initial server state), in-process as
               the native runtime runs it: what a mixed FL round does on top of
-              the clients' work;
+              the clients' work. With it, (a) also runs FedAvg on mixed FL's
+              federated clients (composite clients of three raw clients,
+              smiling images only), and each mixed round is written as that
+              FedAvg round times x plus its central work;
   (c) bound:  the same client steps and server update in-process, no TFF:
               one tf.function per client update (its dataset built
               in-graph), the clients spread over one thread per CPU, then
@@ -139,6 +142,14 @@ MODE_ALGORITHMS = {'tff': None, 'native': None, 'naive': ('fedavg',),
                    'central': ('mixed_pt', 'mixed_1wgt', 'mixed_2wgt')}
 CLIENT_LEARNING_RATE = 0.01
 SERVER_LEARNING_RATE = 1.0
+# FedAvg on mixed FL's federated clients (composite clients of three raw
+# ones, smiling images only: `celeba_mode=fl_only`), the base a mixed round's
+# client work compares with; run with mode central.
+FEDAVG_ON_MIXED_CLIENTS = 'fedavg_on_mixed_clients'
+
+
+def _registry_name(algorithm: str) -> str:
+  return 'fedavg' if algorithm == FEDAVG_ON_MIXED_CLIENTS else algorithm
 
 
 # ---------------------------------------------------------------- children --
@@ -147,6 +158,11 @@ SERVER_LEARNING_RATE = 1.0
 def _data_config(algorithm: str):
   from tasks import base  # pylint: disable=g-import-not-at-top
   mixed = algorithm.startswith('mixed')
+  mixed_clients = mixed or algorithm == FEDAVG_ON_MIXED_CLIENTS
+  if mixed:
+    mode = 'mixed'
+  else:
+    mode = 'fl_only' if mixed_clients else 'federated'
   return base.DataConfig(
       client_batch_size=_CLIENT_BATCH_SIZE.value,
       client_steps=_CLIENT_STEPS.value,
@@ -156,8 +172,9 @@ def _data_config(algorithm: str):
       options={
           # Mixed FL needs central data: its composite clients are three raw
           # clients each, so the raw population is three times larger.
-          'celeba_mode': 'mixed' if mixed else 'federated',
-          'synthetic_train_clients': _POPULATION.value * (3 if mixed else 1),
+          'celeba_mode': mode,
+          'synthetic_train_clients': _POPULATION.value * (
+              3 if mixed_clients else 1),
       })
 
 
@@ -199,7 +216,7 @@ def _settings(algorithm: str):
   """The algorithm's defaults with the benchmark's learning rates."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   from tff_algos.algorithms import registry  # pylint: disable=g-import-not-at-top
-  settings_class = registry.settings_class(algorithm)
+  settings_class = registry.settings_class(_registry_name(algorithm))
   values = dict(client_learning_rate=CLIENT_LEARNING_RATE,
                 server_learning_rate=SERVER_LEARNING_RATE,
                 central_learning_rate=CLIENT_LEARNING_RATE *
@@ -233,7 +250,8 @@ def _run_driver(runtime: str) -> list[float]:
                                     num_subrounds=_num_subrounds())
   algorithm = _CHILD_ALGORITHM.value
   task = _task(algorithm)
-  definition = registry.build(algorithm, task, _settings(algorithm))
+  definition = registry.build(_registry_name(algorithm), task,
+                              _settings(algorithm))
   total_rounds = _WARMUP_ROUNDS.value + _ROUNDS.value
   config = driver.RunConfig(
       root_output_dir=_OUTPUT_DIR.value, experiment_name=algorithm,
@@ -254,7 +272,8 @@ def _run_central_alone() -> list[float]:
   algorithm = _CHILD_ALGORITHM.value
   task = _task(algorithm)
   process = driver.compose_process(
-      registry.build(algorithm, task, _settings(algorithm)), task,
+      registry.build(_registry_name(algorithm), task, _settings(algorithm)),
+      task,
       runtime='native')
   state = process.initialize()
   seconds = []
@@ -599,6 +618,12 @@ def run_parent() -> None:
         if algorithm == 'fedavg' and clients == _CLIENTS_PER_ROUND.value:
           continue  # The headline runs.
         records.append(measure(mode, clients, algorithm))
+  if 'central' in modes and any(a.startswith('mixed')
+                                for a in _SWEEP_ALGORITHMS.value):
+    for clients in sweep:
+      for mode in ('tff', 'native'):
+        if mode in modes:
+          records.append(measure(mode, clients, FEDAVG_ON_MIXED_CLIENTS))
   print_summary(records, modes)
   if not all(m in modes for m in ('tff', 'naive', 'bound')):
     return  # The ratio lines compare these three.
@@ -649,10 +674,10 @@ def print_summary(records: list[dict], modes: list[str]) -> None:
   if ratios:
     print('\nover FedAvg in the same mode and cohort size:')
     print('\n'.join(ratios))
-  extra = report.central_work_lines(by_key)
+  extra = report.central_work_lines(by_key, FEDAVG_ON_MIXED_CLIENTS)
   if extra:
-    print('\nrounds with central work, against FedAvg\'s round plus that '
-          'work:')
+    print('\nrounds with central work, against FedAvg\'s round on the same '
+          'clients plus that work:')
     print('\n'.join(extra))
 
 

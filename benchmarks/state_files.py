@@ -2,9 +2,11 @@
 SCAFFOLD's round time over FedAvg's.
 
 Times the store's own TF read and write (`tff_algos/runtime/client_states`)
-of a full-model state (the benchmark's CelebA model: 1,354,881 float32
-weights, 5.4 MB) for a round's clients, with no training, split over one
-thread per core as the native runtime runs its groups:
+of a client's state in `benchmarks.rounds` (`--state`): SCAFFOLD's c_i, a
+full-model state (the CelebA model: 1,354,881 float32 weights, 5.4 MB), or
+FedResAvg's theta_i and c_i (1,524,242 weights, 6.1 MB), for a round's
+clients, with no training, split over one thread per core as the native
+runtime runs its groups:
 
 - `first visits`: each round's clients write states that did not exist
   before (the store grows by a cohort's states a round, as in the first
@@ -15,6 +17,7 @@ thread per core as the native runtime runs its groups:
   the writes reuse the pages the deletions freed.
 
   .venv/bin/python -m benchmarks.state_files [--clients_per_round=100]
+      [--state=scaffold|fedres_avg]
 """
 
 import math
@@ -33,8 +36,16 @@ _CLIENTS = flags.DEFINE_integer('clients_per_round', 100, 'Clients a round.')
 _ROUNDS = flags.DEFINE_integer('rounds', 5, 'Timed rounds per case.')
 _WARMUP = flags.DEFINE_integer('warmup_rounds', 1, 'Untimed first rounds.')
 
-# The benchmark model's trainable variables (benchmarks.rounds).
-SHAPES = ((84 * 84 * 3, 64), (64,), (64, 1), (1,))
+# The benchmark model's trainable variables (benchmarks.rounds), and FedRes's
+# personal model there (flatten + Dense(8) + Dense(1)).
+GLOBAL_SHAPES = ((84 * 84 * 3, 64), (64,), (64, 1), (1,))
+LOCAL_SHAPES = ((84 * 84 * 3, 8), (8,), (8, 1), (1,))
+STATE_SHAPES = {
+    'scaffold': GLOBAL_SHAPES,  # c_i
+    'fedres_avg': LOCAL_SHAPES + GLOBAL_SHAPES,  # theta_i, c_i (Option II)
+}
+_STATE = flags.DEFINE_enum('state', 'scaffold', list(STATE_SHAPES),
+                           'Whose client state to store.')
 
 
 def _round_function(state_format, clients: int):
@@ -60,7 +71,8 @@ def _time_case(directory: str, revisit: bool, threads: int) -> list[float]:
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tff_algos.runtime import client_states  # pylint: disable=g-import-not-at-top
-  specs = [tf.TensorSpec(shape, tf.float32) for shape in SHAPES]
+  specs = [tf.TensorSpec(shape, tf.float32)
+           for shape in STATE_SHAPES[_STATE.value]]
   state_format = client_states.StateFormat(
       directory, specs, lambda: [tf.zeros(s.shape) for s in specs])
   shares = [len(range(t, _CLIENTS.value, threads)) for t in range(threads)]
@@ -95,8 +107,10 @@ def main(argv):
   if _WARMUP.value < 0:
     raise UsageError(f'--warmup_rounds must be >= 0, got {_WARMUP.value}')
   threads = os.cpu_count() or 1
-  size_mb = sum(math.prod(shape) for shape in SHAPES) * 4 / 1e6
-  print(f'state files: {_CLIENTS.value} clients a round, {size_mb:.1f} MB '
+  size_mb = sum(math.prod(shape)
+                for shape in STATE_SHAPES[_STATE.value]) * 4 / 1e6
+  print(f'state files ({_STATE.value}): {_CLIENTS.value} clients a round, '
+        f'{size_mb:.1f} MB '
         f'a state, {threads} threads, {_ROUNDS.value} timed rounds')
   for revisit in (False, True):
     directory = tempfile.mkdtemp(prefix='state_files_')

@@ -6,6 +6,8 @@ something a test can hold to a bound.
 
 import re
 
+import pytest
+
 from test_cli import run_binary
 
 LAST_LINE = re.compile(r'ratio_tff_over_bound=(\S+) ratio_naive_over_tff=(\S+) '
@@ -73,10 +75,14 @@ def test_unknown_algorithm_is_one_clear_error():
       result.stdout + result.stderr)
 
 
-def test_state_files_times_first_visits_and_revisits():
+@pytest.mark.parametrize('state, megabytes', [('scaffold', '5.4'),
+                                              ('fedres_avg', '6.1')])
+def test_state_files_times_first_visits_and_revisits(state, megabytes):
   result = run_binary('benchmarks.state_files', '--clients_per_round=4',
-                      '--rounds=2')
+                      '--rounds=2', f'--state={state}')
   assert result.returncode == 0, result.stderr[-3000:]
+  assert f'state files ({state}): 4 clients a round, {megabytes} MB' in (
+      result.stdout), result.stdout
   for case in ('first visits', 'revisits'):
     assert re.search(rf'^  {case} +[0-9.]+ s/round', result.stdout,
                      re.MULTILINE), result.stdout
@@ -87,26 +93,33 @@ def test_state_files_times_first_visits_and_revisits():
 
 
 def test_central_mode_times_mixed_fl_central_work_alone():
-  result = run_binary('benchmarks.rounds', '--quick', '--modes=central',
+  result = run_binary('benchmarks.rounds', '--quick', '--modes=native,central',
                       '--clients_per_round=3', '--population=6',
-                      '--sweep_clients=3', '--sweep_algorithms=fedavg,mixed_2wgt')
+                      '--sweep_clients=3', '--sweep_algorithms=mixed_2wgt')
   assert result.returncode == 0, result.stderr[-3000:]
   assert re.search(r'^\s*central\s+mixed_2wgt\s+3 clients:\s+[\d.]+ s/round',
                    result.stdout, re.MULTILINE), result.stdout
   assert not re.search(r'^\s*central\s+fedavg', result.stdout, re.MULTILINE)
+  # The base of the mixed round's comparison: FedAvg on the same clients.
+  assert re.search(r'^\s*native\s+fedavg_on_mixed_clients\s+3 clients:',
+                   result.stdout, re.MULTILINE), result.stdout
+  assert re.search(r'^  mixed_2wgt, native, 3 clients: round [\d.]+ s = '
+                   r'x[\d.]+ FedAvg\'s [\d.]+ s \+ its central work alone',
+                   result.stdout, re.MULTILINE), result.stdout
 
 
-def test_a_mixed_round_is_compared_with_fedavg_plus_its_central_work():
+def test_a_mixed_round_is_compared_with_fedavg_on_its_clients_plus_central():
   from benchmarks import report  # pylint: disable=import-outside-toplevel
 
   def record(seconds):
     return {'seconds_per_round': seconds}
 
-  by_key = {('fedavg', 'native', 100): record(0.5),
+  by_key = {('fedavg', 'native', 100): record(0.4),  # Other clients: unused.
+            ('fedavg_on_mixed_clients', 'native', 100): record(0.5),
             ('mixed_2wgt', 'native', 100): record(1.7),
             ('mixed_2wgt', 'central', 100): record(0.6),
             ('mixed_2wgt', 'tff', 100): record(2.0),  # No FedAvg under tff.
             ('scaffold', 'native', 100): record(1.5)}
-  assert report.central_work_lines(by_key) == [
+  assert report.central_work_lines(by_key, 'fedavg_on_mixed_clients') == [
       '  mixed_2wgt, native, 100 clients: round 1.700 s = x2.20 FedAvg\'s '
       '0.500 s + its central work alone 0.600 s']

@@ -324,8 +324,10 @@ def client_work(settings: RoundSettings,
         optimizer_state=_fresh_optimizer_state_for_specs(optimizer, specs),
         num_steps=tf.constant(0, tf.int32),
         num_examples=tf.constant(0, tf.int64),
-        # Tuples, not lists: a loop would stack a list into one tensor.
-        first_gradient=tuple(tf.zeros(s.shape, s.dtype) for s in specs))
+        # Tuples, not lists: a loop would stack a list into one tensor. Only
+        # diagnostics measure it: otherwise no model-sized zeros per client.
+        first_gradient=(tuple(tf.zeros(s.shape, s.dtype) for s in specs)
+                        if settings.diagnostics else ()))
 
   def step(model, message, client_state, carry, batch):
     del client_state
