@@ -175,10 +175,10 @@ def control_correction(server_control, client_control) -> list[tf.Tensor]:
 def updated_client_control(client_control, mean_gradient, num_steps):
   """Option II: c_i+ = (1/K) sum_k g_k; a client without data keeps c_i.
 
-  Returns (c_i+, c_i+ - c_i)."""
-  took_steps = num_steps > 0
-  new_control = [tf.where(took_steps, g, c)
-                 for g, c in zip(mean_gradient, client_control)]
+  Returns (c_i+, c_i+ - c_i). A cond, not a where: a where is one more
+  pass over the weights."""
+  new_control = tf.cond(num_steps > 0, lambda: list(mean_gradient),
+                        lambda: list(client_control))
   return new_control, [n - c for n, c in zip(new_control, client_control)]
 
 
@@ -273,6 +273,10 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
                                      for v in model.global_weights)
       carry['gradient_examples'] = tf.constant(0, tf.int64)
       carry['gradient_steps'] = tf.constant(0, tf.int64)
+    if variant == 'avg' and hparams.uses_control:
+      # c - c_i once per client, not once per step (the same values).
+      carry['correction'] = tuple(control_correction(
+          message['control'], client_state['control']))
     return carry
 
   def with_stats(carry, loss, n):
@@ -300,10 +304,9 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
     return carry
 
   def corrected_global_step(model, message, client_state, carry, batch):
-    correction = None
-    if hparams.uses_control:
-      correction = control_correction(message['control'],
-                                      client_state['control'])
+    del message, client_state
+    correction = (list(carry['correction']) if hparams.uses_control
+                  else None)
     gradients = _corrected_global_step(model, batch, eta, correction)
     carry = collections.OrderedDict(carry)
     carry['gradient_sums'] = tuple(
