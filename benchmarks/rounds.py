@@ -584,8 +584,11 @@ def run_parent() -> None:
     raise UsageError('--clients_per_round and --sweep_clients must be >= 1')
   if _BOUND_THREADS.value < 0:
     raise UsageError(f'--bound_threads must be >= 0, got {_BOUND_THREADS.value}')
-  if _RUN_ROOT.value is not None and not os.path.isdir(_RUN_ROOT.value):
-    raise UsageError(f'--run_root={_RUN_ROOT.value} is not a directory')
+  if _RUN_ROOT.value is not None and not (
+      os.path.isdir(_RUN_ROOT.value) and os.access(_RUN_ROOT.value,
+                                                   os.W_OK | os.X_OK)):
+    raise UsageError(f'--run_root={_RUN_ROOT.value} is not a writable '
+                     'directory')
   modes = [m for m in MODES if m in _MODES.value]
   unknown = sorted(set(_MODES.value) - set(MODES))
   if unknown or not modes:

@@ -75,6 +75,18 @@ def test_unknown_algorithm_is_one_clear_error():
       result.stdout + result.stderr)
 
 
+@pytest.mark.parametrize('make_root', [
+    lambda tmp: str(tmp / 'missing'),
+    lambda tmp: str((tmp / 'file').write_text('x') and tmp / 'file'),
+])
+def test_unusable_run_root_is_one_clear_error(tmp_path, make_root):
+  root = make_root(tmp_path)
+  result = run_binary('benchmarks.rounds', '--quick', f'--run_root={root}')
+  assert result.returncode == 2
+  assert result.stderr.strip() == (
+      f'error: --run_root={root} is not a writable directory'), result.stderr
+
+
 @pytest.mark.parametrize('state, megabytes', [('scaffold', '5.4'),
                                               ('fedres_avg', '6.1')])
 def test_state_files_times_first_visits_and_revisits(state, megabytes):
