@@ -26,8 +26,11 @@ each in its own process:
               one tf.function per client update (its dataset built
               in-graph), the clients spread over one thread per CPU, then
               the average; with grappler off, which only costs time here.
-              FedAvg, and SCAFFOLD (Option II) with each client's c_i read
-              from and written to a file on local disk, as (a) does.
+              FedAvg; SCAFFOLD (Option II) with each client's c_i, and
+              FedResAvg (Option II) with its theta_i and c_i, read from and
+              written to a file on local disk, as (a) does. A stateful
+              algorithm's (c) minus FedAvg's (c) is its extra work, and its
+              (a) round is written as FedAvg's (a) round times x plus that.
 
 FedRes runs on the same task with a personal model of 12.5% of the global
 model's size (flatten + Dense(8) + Dense(1)); mixed FL's central data are
@@ -138,10 +141,11 @@ RESULT_PREFIX = 'BENCHMARK_RESULT '
 MODES = ('tff', 'native', 'naive', 'bound', 'central')
 # The algorithms each mode can run (None: every algorithm).
 MODE_ALGORITHMS = {'tff': None, 'native': None, 'naive': ('fedavg',),
-                   'bound': ('fedavg', 'scaffold'),
+                   'bound': ('fedavg', 'scaffold', 'fedres_avg'),
                    'central': ('mixed_pt', 'mixed_1wgt', 'mixed_2wgt')}
 CLIENT_LEARNING_RATE = 0.01
 SERVER_LEARNING_RATE = 1.0
+FEDRES_LOCAL_LEARNING_RATE = 0.01  # lambda, FedRes's default.
 # FedAvg on mixed FL's federated clients (composite clients of three raw
 # ones, smiling images only: `celeba_mode=fl_only`), the base a mixed round's
 # client work compares with; run with mode central.
@@ -330,13 +334,15 @@ class _StateFiles:
   """(c)'s per-client state: one file per client and round on local disk.
 
   The same shape of work as the project's store: a client reads the version
-  it last wrote (none: zeros) and writes a new one under the round's folder.
+  it last wrote (none: the initial state) and writes a new one under the
+  round's folder.
   """
 
-  def __init__(self, root: str, variables):
+  def __init__(self, root: str, initial_state):
     self._root = root
-    self._shapes = [v.shape for v in variables]
-    self._sizes = [v.shape.num_elements() for v in variables]
+    self._initial = [tf.constant(t) for t in initial_state]
+    self._shapes = [t.shape for t in self._initial]
+    self._sizes = [t.shape.num_elements() for t in self._initial]
     self._latest = {}  # client index -> the round that wrote its state.
 
   def path(self, index: int, round_num: int) -> str:
@@ -354,12 +360,12 @@ class _StateFiles:
   def wrote(self, index: int, round_num: int) -> None:
     self._latest[index] = round_num
 
-  def read(self, path, zeros):
+  def read(self, path):
     def from_file():
       flat = tf.io.parse_tensor(tf.io.read_file(path), tf.float32)
       return [tf.reshape(part, shape) for part, shape in zip(
           tf.split(flat, self._sizes), self._shapes)]
-    return tf.cond(tf.equal(path, ''), lambda: zeros, from_file)
+    return tf.cond(tf.equal(path, ''), lambda: self._initial, from_file)
 
   @staticmethod
   def write(path, tensors):
@@ -367,16 +373,90 @@ class _StateFiles:
     return tf.io.write_file(path, tf.io.serialize_tensor(flat))
 
 
+def _bound_client_update(algorithm, global_model, server_c, states,
+                         client_dataset, local_model_fn):
+  """(c)'s update of one client, with its own models (for one thread):
+  (client id, seed, read path, write path) -> (delta, delta c_i, weight)."""
+  loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
+  from tasks import celeba  # pylint: disable=g-import-not-at-top
+  client_model = celeba.build_keras_model()
+  client_weights = client_model.trainable_variables
+  global_weights = global_model.trainable_variables
+  local_model = local_model_fn() if algorithm == 'fedres_avg' else None
+
+  def sgd(variables, directions, rate):
+    for variable, direction in zip(variables, directions):
+      variable.assign_sub(rate * direction)
+
+  def gradients_of(images, labels, variables):
+    with tf.GradientTape() as tape:
+      outputs = client_model(images, training=True)
+      if local_model is not None:
+        outputs += local_model(images, training=True)
+      loss = loss_fn(labels, outputs)
+    return tape.gradient(loss, variables)
+
+  @tf.function
+  def client_update(client_id, seed, read_path, write_path):
+    for local, server in zip(client_weights, global_weights):
+      local.assign(server)
+    state = states.read(read_path) if states else []
+    client_c = state[-len(server_c):] if server_c else []
+    if local_model is not None:
+      # FedResAvg Step 1: a pass of K steps on theta_i, w fixed.
+      for variable, value in zip(local_model.trainable_variables, state):
+        variable.assign(value)
+      for images, labels in iter(client_dataset(client_id, seed)):
+        sgd(local_model.trainable_variables,
+            gradients_of(images, labels, local_model.trainable_variables),
+            FEDRES_LOCAL_LEARNING_RATE)
+    num_examples = tf.constant(0.0)
+    steps = tf.constant(0.0)
+    correction = [c - ci for c, ci in zip(server_c, client_c)]
+    gradient_sums = ([tf.zeros_like(c) for c in client_c]
+                     if local_model is not None else [])
+    # iter(): a tf.while_loop over the iterator, the fastest TF loop here
+    # (the driver's LoopImplementation.DATASET_ITERATOR); `for .. in
+    # dataset` would run each step inside tf.data's reduce, 3x slower.
+    for images, labels in iter(client_dataset(client_id, seed)):
+      gradients = gradients_of(images, labels, client_weights)
+      if local_model is not None:
+        gradient_sums = [s + g for s, g in zip(gradient_sums, gradients)]
+      if server_c:  # The corrected step g + (c - c_i).
+        gradients = [g + d for g, d in zip(gradients, correction)]
+      sgd(client_weights, gradients, CLIENT_LEARNING_RATE)
+      num_examples += tf.cast(tf.shape(labels)[0], tf.float32)
+      steps += 1.0
+    delta = [local - server for local, server in zip(client_weights,
+                                                     global_weights)]
+    if not server_c:
+      return delta, [], num_examples
+    if local_model is None:  # SCAFFOLD Option II: c_i - c + (x - y_i)/(K eta).
+      new_c = [ci - c - d / (steps * CLIENT_LEARNING_RATE)
+               for ci, c, d in zip(client_c, server_c, delta)]
+      new_state = new_c
+    else:  # FedResAvg Option II: the mean gradient of the second pass.
+      new_c = [s / steps for s in gradient_sums]
+      new_state = list(local_model.trainable_variables) + new_c
+    with tf.control_dependencies([states.write(write_path, new_state)]):
+      delta_c = [n - ci for n, ci in zip(new_c, client_c)]
+    # FedRes weighs its clients uniformly.
+    return delta, delta_c, (num_examples if local_model is None
+                            else tf.constant(1.0))
+
+  return client_update
+
+
 def _run_plain_tf_bound() -> list[float]:
   """(c): the same round as one in-process TF loop, no TFF.
 
-  FedAvg, or SCAFFOLD (Option II) with each client's c_i read from and
-  written to local disk.
+  FedAvg, SCAFFOLD (Option II) with each client's c_i, or FedResAvg
+  (Option II) with its theta_i and c_i read from and written to local disk.
   """
   from pipeline import driver  # pylint: disable=g-import-not-at-top
   from tasks import base  # pylint: disable=g-import-not-at-top
   from tasks import celeba  # pylint: disable=g-import-not-at-top
-  scaffold = _CHILD_ALGORITHM.value == 'scaffold'
+  algorithm = _CHILD_ALGORITHM.value
   config = _data_config('fedavg')
   # No global TF seed: with one, shuffle(seed=<tensor>) inside tf.function
   # fails (TF compares the seed pair to (0, 0) in Python).
@@ -386,88 +466,51 @@ def _run_plain_tf_bound() -> list[float]:
   tf.config.optimizer.set_experimental_options(
       {'disable_meta_optimizer': True})
   global_model = celeba.build_keras_model()
-  server_c = [tf.Variable(tf.zeros_like(v))
-              for v in global_model.trainable_variables]
+  server_c = [] if algorithm == 'fedavg' else [
+      tf.Variable(tf.zeros_like(v)) for v in global_model.trainable_variables]
+  initial_state = [tf.zeros_like(c) for c in server_c]
+  if algorithm == 'fedres_avg':
+    initial_state = [v.numpy() for v in _local_model().trainable_variables
+                     ] + initial_state
   states = _StateFiles(os.path.join(_OUTPUT_DIR.value, 'states'),
-                       global_model.trainable_variables)
-  loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
+                       initial_state) if initial_state else None
   task = celeba.build_task(config)
   # The very pipeline (a) builds inside TFF, run here in-process.
   client_dataset = base.dataset_fn_of(task.client_dataset_computation)
   client_ids = task.train_client_ids
 
-  def build_client_update():
-    """A client update with its own model, for one thread."""
-    client_model = celeba.build_keras_model()
-    optimizer = tf.keras.optimizers.SGD(CLIENT_LEARNING_RATE)
-
-    @tf.function
-    def client_update(client_id, seed, read_path, write_path):
-      """K steps from the global model; (delta, delta c_i, num_examples)."""
-      for local, server in zip(client_model.trainable_variables,
-                               global_model.trainable_variables):
-        local.assign(server)
-      if scaffold:
-        client_c = states.read(read_path, [tf.zeros_like(c)
-                                           for c in server_c])
-      dataset = client_dataset(client_id, seed)
-      num_examples = tf.constant(0.0)
-      steps = tf.constant(0.0)
-      # iter(): a tf.while_loop over the iterator, the fastest TF loop here
-      # (the driver's LoopImplementation.DATASET_ITERATOR); `for .. in
-      # dataset` would run each step inside tf.data's reduce, 3x slower.
-      for images, labels in iter(dataset):
-        with tf.GradientTape() as tape:
-          loss = loss_fn(labels, client_model(images, training=True))
-        gradients = tape.gradient(loss, client_model.trainable_variables)
-        if scaffold:  # The corrected step g - c_i + c.
-          gradients = [g - ci + c for g, ci, c in zip(gradients, client_c,
-                                                      server_c)]
-        optimizer.apply_gradients(
-            zip(gradients, client_model.trainable_variables))
-        num_examples += tf.cast(tf.shape(labels)[0], tf.float32)
-        steps += 1.0
-      delta = [local - server for local, server in zip(
-          client_model.trainable_variables, global_model.trainable_variables)]
-      if not scaffold:
-        return delta, [], num_examples
-      # Option II: c_i+ = c_i - c + (x - y_i) / (K eta_l).
-      new_c = [ci - c - d / (steps * CLIENT_LEARNING_RATE)
-               for ci, c, d in zip(client_c, server_c, delta)]
-      with tf.control_dependencies([states.write(write_path, new_c)]):
-        delta_c = [n - ci for n, ci in zip(new_c, client_c)]
-      return delta, delta_c, num_examples
-
-    return client_update
-
   @tf.function
-  def server_update(delta_sums, total_examples, delta_c_sums):
-    # The weighted mean of the deltas, server SGD with rate eta_s; SCAFFOLD:
+  def server_update(delta_sums, total_weight, delta_c_sums):
+    # The weighted mean of the deltas (FedRes: uniform), server SGD with
+    # rate eta_s (FedRes: alpha, also 1); SCAFFOLD and FedResAvg:
     # c += (|S|/N) * the uniform mean of the c_i deltas.
     for variable, delta_sum in zip(global_model.trainable_variables,
                                    delta_sums):
-      variable.assign_add(SERVER_LEARNING_RATE * delta_sum / total_examples)
+      variable.assign_add(SERVER_LEARNING_RATE * delta_sum / total_weight)
     for variable, delta_c_sum in zip(server_c, delta_c_sums):
       variable.assign_add(delta_c_sum / len(client_ids))
 
   # TFF's worker runs a round's clients concurrently; so does the bound, one
   # thread per core (TF runs ops outside the GIL), else it is no bound.
   num_threads = _BOUND_THREADS.value or os.cpu_count()
-  client_updates = [build_client_update() for _ in range(num_threads)]
+  client_updates = [
+      _bound_client_update(algorithm, global_model, server_c, states,
+                           client_dataset, _local_model)
+      for _ in range(num_threads)]
 
   def weighted_sums(client_update, clients, round_num):
     delta_sums = [tf.zeros_like(v) for v in global_model.trainable_variables]
-    delta_c_sums = [tf.zeros_like(c) for c in server_c] if scaffold else []
-    total_examples = tf.constant(0.0)
+    delta_c_sums = [tf.zeros_like(c) for c in server_c]
+    total_weight = tf.constant(0.0)
     for index, seed in clients:
-      delta, delta_c, num_examples = client_update(
+      delta, delta_c, weight = client_update(
           tf.constant(client_ids[index]), tf.constant(seed, tf.int64),
-          tf.constant(states.read_path(index)),
-          tf.constant(states.path(index, round_num)))
-      delta_sums = [s + d * num_examples for s, d in zip(delta_sums, delta)]
+          tf.constant(states.read_path(index) if states else ''),
+          tf.constant(states.path(index, round_num) if states else ''))
+      delta_sums = [s + d * weight for s, d in zip(delta_sums, delta)]
       delta_c_sums = [s + d for s, d in zip(delta_c_sums, delta_c)]
-      total_examples += num_examples
-    return delta_sums, delta_c_sums, total_examples
+      total_weight += weight
+    return delta_sums, delta_c_sums, total_weight
 
   seconds = []
   with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
@@ -476,7 +519,8 @@ def _run_plain_tf_bound() -> list[float]:
       plan = driver.plan_round(0, round_num, len(client_ids),
                                _CHILD_CLIENTS.value)
       clients = list(zip(plan.client_indices, plan.client_seeds))
-      states.start_round(round_num)
+      if states:
+        states.start_round(round_num)
       parts = list(pool.map(
           weighted_sums, client_updates,
           [clients[t::num_threads] for t in range(num_threads)],
@@ -486,8 +530,9 @@ def _run_plain_tf_bound() -> list[float]:
           for i in (0, 1))
       server_update(delta_sums, tf.add_n([part[2] for part in parts]),
                     delta_c_sums)
-      for index, _ in clients:
-        states.wrote(index, round_num)
+      if states:
+        for index, _ in clients:
+          states.wrote(index, round_num)
       seconds.append(time.perf_counter() - started)
   return seconds
 
@@ -681,6 +726,11 @@ def print_summary(records: list[dict], modes: list[str]) -> None:
   if extra:
     print('\nrounds with central work, against FedAvg\'s round on the same '
           'clients plus that work:')
+    print('\n'.join(extra))
+  extra = report.bound_extra_work_lines(by_key)
+  if extra:
+    print('\nstateful rounds, against FedAvg\'s round plus their extra work '
+          'as the plain-TF bounds (c) measure it:')
     print('\n'.join(extra))
 
 

@@ -56,15 +56,17 @@ def test_unknown_mode_is_one_clear_error():
       result.stdout + result.stderr)
 
 
-def test_scaffold_bound_reads_and_writes_states_and_prints_its_ratio():
+@pytest.mark.parametrize('algorithm', ['scaffold', 'fedres_avg'])
+def test_stateful_bound_runs_revisited_clients_and_prints_its_ratio(algorithm):
+  # 3 of 6 clients over 3 rounds: some clients read the state they wrote.
   result = run_binary('benchmarks.rounds', '--quick', '--modes=bound',
                       '--clients_per_round=3', '--population=6',
-                      '--sweep_clients=3', '--sweep_algorithms=scaffold',
+                      '--sweep_clients=3', f'--sweep_algorithms={algorithm}',
                       '--rounds=2')
   assert result.returncode == 0, result.stderr[-3000:]
-  assert re.search(r'^\s*bound\s+scaffold\s+3 clients:', result.stdout,
+  assert re.search(rf'^\s*bound\s+{algorithm}\s+3 clients:', result.stdout,
                    re.MULTILINE), result.stdout
-  assert re.search(r'scaffold / fedavg, bound, 3 clients: round time '
+  assert re.search(rf'{algorithm} / fedavg, bound, 3 clients: round time '
                    r'x[\d.]+, peak RSS x[\d.]+', result.stdout), result.stdout
 
 
@@ -135,3 +137,21 @@ def test_a_mixed_round_is_compared_with_fedavg_on_its_clients_plus_central():
   assert report.central_work_lines(by_key, 'fedavg_on_mixed_clients') == [
       '  mixed_2wgt, native, 100 clients: round 1.700 s = x2.20 FedAvg\'s '
       '0.500 s + its central work alone 0.600 s']
+
+
+def test_a_stateful_round_is_compared_with_fedavg_plus_its_bound_extra_work():
+  from benchmarks import report  # pylint: disable=import-outside-toplevel
+
+  def record(seconds):
+    return {'seconds_per_round': seconds}
+
+  by_key = {('fedavg', 'tff', 100): record(0.5),
+            ('fedavg', 'bound', 100): record(0.4),
+            ('fedres_avg', 'tff', 100): record(2.0),
+            ('fedres_avg', 'bound', 100): record(1.6),
+            ('scaffold', 'native', 100): record(1.5),  # No native FedAvg.
+            ('scaffold', 'bound', 100): record(1.2),
+            ('mixed_2wgt', 'tff', 100): record(1.0)}  # No bound.
+  assert report.bound_extra_work_lines(by_key) == [
+      '  fedres_avg, tff, 100 clients: round 2.000 s = x1.60 FedAvg\'s '
+      '0.500 s + its extra work in plain TF ((c) minus FedAvg\'s) 1.200 s']
