@@ -339,7 +339,11 @@ class _StateFiles:
   """
 
   def __init__(self, root: str, initial_state):
+    from tff_algos.runtime import page_cache  # pylint: disable=g-import-not-at-top
     self._root = root
+    # As the driver does: written states leave the page cache unless the
+    # next round reads them.
+    self.evictor = page_cache.ClosedFileEvictor('.state')
     self._initial = [tf.constant(t) for t in initial_state]
     self._shapes = [t.shape for t in self._initial]
     self._sizes = [t.shape.num_elements() for t in self._initial]
@@ -348,8 +352,11 @@ class _StateFiles:
   def path(self, index: int, round_num: int) -> str:
     return os.path.join(self._root, f'round_{round_num}', f'{index}.state')
 
-  def start_round(self, round_num: int) -> None:
-    os.makedirs(os.path.join(self._root, f'round_{round_num}'), exist_ok=True)
+  def start_round(self, round_num: int, next_indices) -> None:
+    """Its states leave RAM as written, but those the next round reads."""
+    directory = os.path.join(self._root, f'round_{round_num}')
+    os.makedirs(directory, exist_ok=True)
+    self.evictor.follow(directory, [f'{i}.state' for i in next_indices])
 
   def read_path(self, index: int) -> str:
     """'' when the client has no state yet."""
@@ -520,7 +527,9 @@ def _run_plain_tf_bound() -> list[float]:
                                _CHILD_CLIENTS.value)
       clients = list(zip(plan.client_indices, plan.client_seeds))
       if states:
-        states.start_round(round_num)
+        states.start_round(round_num, driver.plan_round(
+            0, round_num + 1, len(client_ids),
+            _CHILD_CLIENTS.value).client_indices)
       parts = list(pool.map(
           weighted_sums, client_updates,
           [clients[t::num_threads] for t in range(num_threads)],
@@ -534,6 +543,8 @@ def _run_plain_tf_bound() -> list[float]:
         for index, _ in clients:
           states.wrote(index, round_num)
       seconds.append(time.perf_counter() - started)
+  if states:
+    states.evictor.close()
   return seconds
 
 

@@ -16,8 +16,13 @@ runtime runs its groups:
   state, which is deleted when the round commits (as the driver does), so
   the writes reuse the pages the deletions freed.
 
+As in a run, each written state is dropped from the page cache once closed
+unless the next round reads it (`tff_algos/runtime/page_cache`): first
+visits drop every state, revisits none. `--noevict_written_states` leaves
+them all to the kernel, to see what dropping saves on this machine.
+
   .venv/bin/python -m benchmarks.state_files [--clients_per_round=100]
-      [--state=scaffold|fedres_avg]
+      [--state=scaffold|fedres_avg] [--noevict_written_states]
 """
 
 import math
@@ -46,6 +51,10 @@ STATE_SHAPES = {
 }
 _STATE = flags.DEFINE_enum('state', 'scaffold', list(STATE_SHAPES),
                            'Whose client state to store.')
+_EVICT = flags.DEFINE_boolean(
+    'evict_written_states', True,
+    'Drop each written state from the page cache as a run does; false: '
+    'leave the pages to the kernel.')
 
 
 def _round_function(state_format, clients: int):
@@ -71,6 +80,7 @@ def _time_case(directory: str, revisit: bool, threads: int) -> list[float]:
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tff_algos.runtime import client_states  # pylint: disable=g-import-not-at-top
+  from tff_algos.runtime import page_cache  # pylint: disable=g-import-not-at-top
   specs = [tf.TensorSpec(shape, tf.float32)
            for shape in STATE_SHAPES[_STATE.value]]
   state_format = client_states.StateFormat(
@@ -78,24 +88,34 @@ def _time_case(directory: str, revisit: bool, threads: int) -> list[float]:
   shares = [len(range(t, _CLIENTS.value, threads)) for t in range(threads)]
   functions = [_round_function(state_format, n) for n in shares]
   seconds = []
-  for round_num in range(1, _WARMUP.value + _ROUNDS.value + 1):
-    first = 0 if revisit else (round_num - 1) * _CLIENTS.value
-    ids = [f'client_{first + i}' for i in range(_CLIENTS.value)]
-    read = tf.constant(np.int64(round_num - 1 if revisit and round_num > 1
-                                else -1))
-    write = tf.constant(np.int64(round_num))
-    started = time.perf_counter()
-    workers = [threading.Thread(target=function, args=(
-        tf.constant(ids[t::threads]), read, write))
-               for t, function in enumerate(functions)]
-    for worker in workers:
-      worker.start()
-    for worker in workers:
-      worker.join()
-    if revisit and round_num > 1:  # The driver's commit.
-      client_states.delete_superseded(
-          state_format, ids, np.full(len(ids), round_num - 1), [])
-    seconds.append(time.perf_counter() - started)
+  evictor = page_cache.ClosedFileEvictor(client_states.SUFFIX)
+  try:
+    for round_num in range(1, _WARMUP.value + _ROUNDS.value + 1):
+      first = 0 if revisit else (round_num - 1) * _CLIENTS.value
+      ids = [f'client_{first + i}' for i in range(_CLIENTS.value)]
+      read = tf.constant(np.int64(round_num - 1 if revisit and round_num > 1
+                                  else -1))
+      write = tf.constant(np.int64(round_num))
+      started = time.perf_counter()
+      if _EVICT.value:  # The driver's ClientStateKeeper.prepare: the
+        # states of the next round's clients (revisits: these) stay cached.
+        round_directory = client_states.round_directory(directory, round_num)
+        os.makedirs(round_directory, exist_ok=True)
+        evictor.follow(round_directory, [client_states.file_name(i)
+                                         for i in ids] if revisit else [])
+      workers = [threading.Thread(target=function, args=(
+          tf.constant(ids[t::threads]), read, write))
+                 for t, function in enumerate(functions)]
+      for worker in workers:
+        worker.start()
+      for worker in workers:
+        worker.join()
+      if revisit and round_num > 1:  # The driver's commit.
+        client_states.delete_superseded(
+            state_format, ids, np.full(len(ids), round_num - 1), [])
+      seconds.append(time.perf_counter() - started)
+  finally:
+    evictor.close()
   return seconds[_WARMUP.value:]
 
 
@@ -110,8 +130,10 @@ def main(argv):
   size_mb = sum(math.prod(shape)
                 for shape in STATE_SHAPES[_STATE.value]) * 4 / 1e6
   print(f'state files ({_STATE.value}): {_CLIENTS.value} clients a round, '
-        f'{size_mb:.1f} MB '
-        f'a state, {threads} threads, {_ROUNDS.value} timed rounds')
+        f'{size_mb:.1f} MB a state, {threads} threads, {_ROUNDS.value} timed '
+        'rounds, written states ' + (
+            'dropped from the page cache' if _EVICT.value
+            else 'left in the page cache'))
   for revisit in (False, True):
     directory = tempfile.mkdtemp(prefix='state_files_')
     try:

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -32,6 +32,7 @@ from tff_algos.aggregation import accounting
 from tff_algos.algorithms import round as round_lib
 from tff_algos.runtime import batched
 from tff_algos.runtime import client_states
+from tff_algos.runtime import page_cache
 from tff_algos.runtime import cohort
 from tff_algos.runtime import native
 from tff_algos.runtime import tff_process
@@ -267,6 +268,19 @@ class ClientStateKeeper:
     self._structure_fn = structure_fn
     self.index = client_states.StateIndex(client_ids)
     self._kept = {}  # Checkpoint round -> its versions.
+    self._evictor = page_cache.ClosedFileEvictor(client_states.SUFFIX)
+
+  def prepare(self, round_num: int, next_clients: Sequence[str]) -> None:
+    """Before round `round_num`: its states leave RAM as they are written,
+    but those of `next_clients`, the clients of the next round."""
+    directory = client_states.round_directory(self.format.directory,
+                                              round_num)
+    os.makedirs(directory, exist_ok=True)
+    self._evictor.follow(directory,
+                         [client_states.file_name(c) for c in next_clients])
+
+  def close(self) -> None:
+    self._evictor.close()
 
   def start(self, round_num: int, versions: Optional[np.ndarray]) -> None:
     """Sets the index to checkpoint `round_num`'s (None: a new run)."""
@@ -431,6 +445,11 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                   if keeper else None)
       groups = cohort.groups(client_ids[plan.client_indices],
                              plan.client_seeds, versions, group_size)
+      if keeper:
+        keeper.prepare(round_num, [] if round_num == config.total_rounds else
+                       client_ids[plan_round(
+                           config.seed, round_num + 1, len(client_ids),
+                           config.clients_per_round).client_indices])
       server_state, metrics = process.next(server_state, groups, round_num,
                                            plan.server_seed)
       if keeper:
@@ -475,4 +494,6 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                                  keeper and keeper.view()))
   finally:
     progress.close()
+    if keeper:
+      keeper.close()
   return TrainResult(config.total_rounds, server_state, weights, row)

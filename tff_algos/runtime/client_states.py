@@ -51,7 +51,7 @@ import tensorflow as tf
 
 NEVER_WRITTEN = -1
 _ROUND_DIR = re.compile(r'^round_(\d+)$')
-_SUFFIX = '.state'
+SUFFIX = '.state'
 
 
 def round_directory(directory: str, round_num: int) -> str:
@@ -61,13 +61,13 @@ def round_directory(directory: str, round_num: int) -> str:
 def file_name(client_id: str) -> str:
   """The file name of a client's state: its id in unpadded base64url."""
   encoded = base64.urlsafe_b64encode(client_id.encode()).decode()
-  return encoded.rstrip('=') + _SUFFIX
+  return encoded.rstrip('=') + SUFFIX
 
 
 def client_id_of(name: str) -> Optional[str]:
-  if not name.endswith(_SUFFIX):
+  if not name.endswith(SUFFIX):
     return None
-  encoded = name[:-len(_SUFFIX)]
+  encoded = name[:-len(SUFFIX)]
   try:
     return base64.urlsafe_b64decode(
         encoded + '=' * (-len(encoded) % 4)).decode()
@@ -93,7 +93,7 @@ class StateFormat:
   def _path(self, client_id: tf.Tensor, version: tf.Tensor) -> tf.Tensor:
     return tf.strings.join([
         self.directory, '/round_', tf.strings.as_string(version), '/',
-        tf.io.encode_base64(client_id), _SUFFIX])
+        tf.io.encode_base64(client_id), SUFFIX])
 
   def read(self, client_id: tf.Tensor, version: tf.Tensor):
     """The client's state of `version`; the initializer's when it is -1."""
