@@ -94,12 +94,19 @@ def definition(variant: str, task: base.Task,
   hparams = hyperparameters(variant, task, settings)
   spec = task.residual_spec
   initial_global, initial_local = initial_weights(spec)
+  # Specs, not values: a model-sized constant in a computation costs its size
+  # in every copy of the computation TFF makes (hundreds of MB here).
+  global_specs = [tf.TensorSpec(w.shape, w.dtype) for w in initial_global]
 
   def initial_server_state():
+    # A fresh model's weights, made inside the computation (the driver then
+    # sets its own).
     state = collections.OrderedDict(global_model_weights=ModelWeights(
-        trainable=[tf.constant(w) for w in initial_global], non_trainable=[]))
+        trainable=[tf.identity(v.read_value()) for v in
+                   spec.global_model_fn().trainable_variables],
+        non_trainable=[]))
     if hparams.uses_control:
-      state['control'] = [tf.zeros_like(w) for w in initial_global]
+      state['control'] = [tf.zeros(s.shape, s.dtype) for s in global_specs]
     return state
 
   def broadcast(state, central):
@@ -131,8 +138,7 @@ def definition(variant: str, task: base.Task,
 
   def initial_client_state():
     return math.initial_client_state(
-        hparams, [tf.constant(w) for w in initial_local],
-        [tf.constant(w) for w in initial_global])
+        hparams, [tf.constant(w) for w in initial_local], global_specs)
 
   return round_lib.RoundDefinition(
       name=f'fedres_{variant}', settings=settings,

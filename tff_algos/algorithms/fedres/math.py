@@ -231,12 +231,12 @@ class Hyperparameters:
 
 
 def initial_client_state(hparams: Hyperparameters, initial_local_weights,
-                         global_weights_like):
+                         global_specs: Sequence[tf.TensorSpec]):
   """<local_model=theta_0[, control=0]> (c_i = 0, so round 1 of Option II is
   Option I's)."""
   state = collections.OrderedDict(local_model=list(initial_local_weights))
   if hparams.uses_control:
-    state['control'] = [tf.zeros_like(w) for w in global_weights_like]
+    state['control'] = [tf.zeros(s.shape, s.dtype) for s in global_specs]
   return state
 
 
