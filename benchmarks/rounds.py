@@ -408,12 +408,14 @@ def _bound_client_update(algorithm, global_model, server_c, states,
     for local, server in zip(client_weights, global_weights):
       local.assign(server)
     state = states.read(read_path) if states else []
+    # FedResAvg iterates it twice; a second pass reshuffles, as in (a).
+    dataset = client_dataset(client_id, seed)
     client_c = state[-len(server_c):] if server_c else []
     if local_model is not None:
       # FedResAvg Step 1: a pass of K steps on theta_i, w fixed.
       for variable, value in zip(local_model.trainable_variables, state):
         variable.assign(value)
-      for images, labels in iter(client_dataset(client_id, seed)):
+      for images, labels in iter(dataset):
         sgd(local_model.trainable_variables,
             gradients_of(images, labels, local_model.trainable_variables),
             FEDRES_LOCAL_LEARNING_RATE)
@@ -425,7 +427,7 @@ def _bound_client_update(algorithm, global_model, server_c, states,
     # iter(): a tf.while_loop over the iterator, the fastest TF loop here
     # (the driver's LoopImplementation.DATASET_ITERATOR); `for .. in
     # dataset` would run each step inside tf.data's reduce, 3x slower.
-    for images, labels in iter(client_dataset(client_id, seed)):
+    for images, labels in iter(dataset):
       gradients = gradients_of(images, labels, client_weights)
       if local_model is not None:
         gradient_sums = [s + g for s, g in zip(gradient_sums, gradients)]
