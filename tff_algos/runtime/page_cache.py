@@ -34,8 +34,9 @@ from typing import Iterable, Optional
 
 _IN_CLOSE_WRITE = 0x00000008
 _IN_IGNORED = 0x00008000  # The watched directory is gone.
-_IN_NONBLOCK = os.O_NONBLOCK
-_IN_CLOEXEC = os.O_CLOEXEC
+# inotify_init1 flags (Linux's values; elsewhere there is no inotify).
+_IN_NONBLOCK = 0o4000
+_IN_CLOEXEC = 0o2000000
 _EVENT = struct.Struct('iIII')  # wd, mask, cookie, len; then the name.
 
 
@@ -140,9 +141,13 @@ class ClosedFileEvictor:
     self._followed = -1
 
   def _run(self) -> None:
+    # poll, not select: select fails on descriptors above 1023.
+    poller = select.poll()
+    for fd in (self._fd, self._wake_read):
+      poller.register(fd, select.POLLIN)
     while True:
-      readable, _, _ = select.select([self._fd, self._wake_read], [], [])
-      if self._wake_read in readable:
+      ready = {fd for fd, _ in poller.poll()}
+      if self._wake_read in ready:
         return
       try:
         events = os.read(self._fd, 1 << 16)
