@@ -436,20 +436,25 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
   progress = tqdm.tqdm(total=config.total_rounds, initial=start_round,
                        unit='round', desc=config.experiment_name,
                        dynamic_ncols=True, disable=None)
+  def plan_of(round_num):
+    return plan_round(config.seed, round_num, len(client_ids),
+                      config.clients_per_round)
+
+  next_plan = plan_of(start_round + 1)
   try:
     for round_num in range(start_round + 1, config.total_rounds + 1):
       started = time.perf_counter()
-      plan = plan_round(config.seed, round_num, len(client_ids),
-                        config.clients_per_round)
+      plan = next_plan
+      # The next round's clients keep their new states in the page cache.
+      next_plan = (plan_of(round_num + 1)
+                   if round_num < config.total_rounds else None)
       versions = (keeper.index.versions_of(plan.client_indices)
                   if keeper else None)
       groups = cohort.groups(client_ids[plan.client_indices],
                              plan.client_seeds, versions, group_size)
       if keeper:
-        keeper.prepare(round_num, [] if round_num == config.total_rounds else
-                       client_ids[plan_round(
-                           config.seed, round_num + 1, len(client_ids),
-                           config.clients_per_round).client_indices])
+        keeper.prepare(round_num, client_ids[next_plan.client_indices]
+                       if next_plan is not None else [])
       server_state, metrics = process.next(server_state, groups, round_num,
                                            plan.server_seed)
       if keeper:
