@@ -77,6 +77,7 @@ from pipeline.errors import UsageError
 # Imported before absl parses flags: TF imported later, inside main, builds
 # Keras models as if executing eagerly and fails.
 import tensorflow as tf  # pylint: disable=g-bad-import-order
+from tff_algos.algorithms import sgd_step  # pylint: disable=g-bad-import-order
 
 _CLIENTS_PER_ROUND = flags.DEFINE_integer(
     'clients_per_round', 100, 'Clients per round of the headline ratios.')
@@ -391,10 +392,6 @@ def _bound_client_update(algorithm, global_model, server_c, states,
   global_weights = global_model.trainable_variables
   local_model = local_model_fn() if algorithm == 'fedres_avg' else None
 
-  def sgd(variables, directions, rate):
-    for variable, direction in zip(variables, directions):
-      variable.assign_sub(rate * direction)
-
   def gradients_of(images, labels, variables):
     with tf.GradientTape() as tape:
       outputs = client_model(images, training=True)
@@ -416,12 +413,13 @@ def _bound_client_update(algorithm, global_model, server_c, states,
       for variable, value in zip(local_model.trainable_variables, state):
         variable.assign(value)
       for images, labels in iter(dataset):
-        sgd(local_model.trainable_variables,
+        sgd_step.sgd_step(
+            local_model.trainable_variables,
             gradients_of(images, labels, local_model.trainable_variables),
             FEDRES_LOCAL_LEARNING_RATE)
     num_examples = tf.constant(0.0)
     steps = tf.constant(0.0)
-    correction = [c - ci for c, ci in zip(server_c, client_c)]
+    client_minus_server = [ci - c for c, ci in zip(server_c, client_c)]
     gradient_sums = ([tf.zeros_like(c) for c in client_c]
                      if local_model is not None else [])
     # iter(): a tf.while_loop over the iterator, the fastest TF loop here
@@ -431,9 +429,11 @@ def _bound_client_update(algorithm, global_model, server_c, states,
       gradients = gradients_of(images, labels, client_weights)
       if local_model is not None:
         gradient_sums = [s + g for s, g in zip(gradient_sums, gradients)]
-      if server_c:  # The corrected step g + (c - c_i).
-        gradients = [g + d for g, d in zip(gradients, correction)]
-      sgd(client_weights, gradients, CLIENT_LEARNING_RATE)
+      if server_c:  # The corrected step, as the driver takes it.
+        sgd_step.corrected_sgd_step(client_weights, gradients,
+                                    CLIENT_LEARNING_RATE, client_minus_server)
+      else:
+        sgd_step.sgd_step(client_weights, gradients, CLIENT_LEARNING_RATE)
       num_examples += tf.cast(tf.shape(labels)[0], tf.float32)
       steps += 1.0
     delta = [local - server for local, server in zip(client_weights,
@@ -441,8 +441,8 @@ def _bound_client_update(algorithm, global_model, server_c, states,
     if not server_c:
       return delta, [], num_examples
     if local_model is None:  # SCAFFOLD Option II: c_i - c + (x - y_i)/(K eta).
-      new_c = [ci - c - d / (steps * CLIENT_LEARNING_RATE)
-               for ci, c, d in zip(client_c, server_c, delta)]
+      new_c = [cmc - d / (steps * CLIENT_LEARNING_RATE)
+               for cmc, d in zip(client_minus_server, delta)]
       new_state = new_c
     else:  # FedResAvg Option II: the mean gradient of the second pass.
       new_c = [s / steps for s in gradient_sums]

@@ -111,7 +111,10 @@ def compare(old_dir: str, new_dir: str) -> tuple[str, str]:
     if old_metrics[key] != new_metrics[key]:
       old = np.array([float(v or 'nan') for v in old_metrics[key]])
       new = np.array([float(v or 'nan') for v in new_metrics[key]])
-      problems.append(f'{key} max diff {np.max(np.abs(old - new)):.3g}')
+      # Empty cells (rounds without evaluation) read as NaN on both sides.
+      difference = np.where(np.isnan(old) & np.isnan(new), 0.0,
+                            np.abs(old - new))
+      problems.append(f'{key} max diff {np.max(difference):.3g}')
   old_weights, new_weights = _weights(old_dir), _weights(new_dir)
   for i, (old, new) in enumerate(zip(old_weights, new_weights, strict=True)):
     if not np.array_equal(old, new):

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tasks import residual
 from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms import sgd_step
 
 
 class ResidualModel:
@@ -88,8 +89,7 @@ def _local_step(model: ResidualModel, batch, local_learning_rate: float):
   with tf.GradientTape() as tape:
     loss = model.batch_loss(batch)
   gradients = _dense_gradients(tape, loss, model.local_weights)
-  for variable, gradient in zip(model.local_weights, gradients):
-    variable.assign_sub(local_learning_rate * gradient)
+  sgd_step.sgd_step(model.local_weights, gradients, local_learning_rate)
   return loss, num_examples_in(batch)
 
 
@@ -104,9 +104,10 @@ def _joint_step(model: ResidualModel, batch, learning_rate: float,
     loss = model.batch_loss(batch)
   gradients = _dense_gradients(tape, loss, variables)
   num_global = len(model.global_weights)
-  for i, (variable, gradient) in enumerate(zip(variables, gradients)):
-    rate = learning_rate if i < num_global else local_learning_rate
-    variable.assign_sub(rate * gradient)
+  sgd_step.sgd_step(model.global_weights, gradients[:num_global],
+                    learning_rate)
+  sgd_step.sgd_step(model.local_weights, gradients[num_global:],
+                    local_learning_rate)
   return loss, num_examples_in(batch)
 
 
@@ -121,16 +122,18 @@ def _global_gradient(model: ResidualModel, batch):
 
 @_step
 def _corrected_global_step(model: ResidualModel, batch, learning_rate: float,
-                           correction):
+                           client_minus_server):
   """w_i <- w_i - eta (g - c_i + c) with g = grad_w l(w_i, theta), theta
-  fixed; `correction` is c - c_i (None: Option I). -> g."""
+  fixed; `client_minus_server` is c_i - c (None: Option I, w_i - eta g).
+  -> g."""
   with tf.GradientTape() as tape:
     loss = model.batch_loss(batch)
   gradients = _dense_gradients(tape, loss, model.global_weights)
-  directions = gradients if correction is None else [
-      g + c for g, c in zip(gradients, correction)]
-  for variable, direction in zip(model.global_weights, directions):
-    variable.assign_sub(learning_rate * direction)
+  if client_minus_server is None:
+    sgd_step.sgd_step(model.global_weights, gradients, learning_rate)
+  else:
+    sgd_step.corrected_sgd_step(model.global_weights, gradients,
+                                learning_rate, client_minus_server)
   return tuple(gradients)
 
 
@@ -167,9 +170,10 @@ def _local_steps(model: ResidualModel, dataset: tf.data.Dataset,
   return stats
 
 
-def control_correction(server_control, client_control) -> list[tf.Tensor]:
-  """c - c_i, added to every local gradient of FedResAvg Option II."""
-  return [c - ci for c, ci in zip(server_control, client_control)]
+def client_minus_server(server_control, client_control) -> list[tf.Tensor]:
+  """c_i - c: FedResAvg Option II's local steps subtract it from every
+  local gradient (`sgd_step.corrected_sgd_step`)."""
+  return [ci - c for c, ci in zip(server_control, client_control)]
 
 
 def updated_client_control(client_control, mean_gradient, num_steps):
@@ -274,8 +278,8 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
       carry['gradient_examples'] = tf.constant(0, tf.int64)
       carry['gradient_steps'] = tf.constant(0, tf.int64)
     if variant == 'avg' and hparams.uses_control:
-      # c - c_i once per client, not once per step (the same values).
-      carry['correction'] = tuple(control_correction(
+      # c_i - c once per client, not once per step (the same values).
+      carry['client_minus_server'] = tuple(client_minus_server(
           message['control'], client_state['control']))
     return carry
 
@@ -305,9 +309,9 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
 
   def corrected_global_step(model, message, client_state, carry, batch):
     del message, client_state
-    correction = (list(carry['correction']) if hparams.uses_control
+    difference = (list(carry['client_minus_server']) if hparams.uses_control
                   else None)
-    gradients = _corrected_global_step(model, batch, eta, correction)
+    gradients = _corrected_global_step(model, batch, eta, difference)
     carry = collections.OrderedDict(carry)
     carry['gradient_sums'] = tuple(
         s + g for s, g in zip(carry['gradient_sums'], gradients))

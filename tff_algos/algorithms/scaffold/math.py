@@ -19,6 +19,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms import sgd_step
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -145,9 +146,10 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         # Tuples, not lists: a loop would stack a list into one tensor.
         optimizer_state=(client_optimizer.initialize(tuple(unmasked_specs))
                          if has_unmasked else ()),
-        # c - c_i, the same at every step: computed once per client.
-        correction=tuple(c - ci for c, ci in zip(
-            message['control_variate'], client_state['control_variate'])))
+        # c_i - c, the same at every step: computed once per client, and
+        # the first term of c_i+ (Option II).
+        client_minus_server=tuple(ci - c for ci, c in zip(
+            client_state['control_variate'], message['control_variate'])))
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       carry['gradient_sums'] = tuple(zeros_like_specs(masked_specs_))
       carry['gradient_examples'] = tf.constant(0.0)
@@ -187,9 +189,8 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
       output = model.forward_pass(batch, training=True)
     gradients = tape.gradient(output.loss, trainable)
     masked_grads, unmasked_grads = split_masked(gradients, mask)
-    for variable, gradient, correction in zip(masked_vars, masked_grads,
-                                              carry['correction']):
-      variable.assign_sub(learning_rate * (gradient + correction))
+    sgd_step.corrected_sgd_step(masked_vars, masked_grads, learning_rate,
+                                carry['client_minus_server'])
     optimizer_state = carry['optimizer_state']
     if has_unmasked:
       optimizer_state, updated = client_optimizer.next(
@@ -219,8 +220,8 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
       # c_i+ = c_i - c + (x - y) / (K_i * eta); x - y = -delta.
       new_cv = _unless_untrained(
           trained,
-          lambda: [ci - c - d / steps_times_lr for ci, c, d in zip(
-              client_cv, message['control_variate'], masked_delta)],
+          lambda: [cmc - d / steps_times_lr for cmc, d in zip(
+              carry['client_minus_server'], masked_delta)],
           client_cv)
     weight = (tf.constant(1.0) if uniform_weighting else
               tf.cast(carry['num_examples'], tf.float32))
