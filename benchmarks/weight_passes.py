@@ -14,6 +14,7 @@ machine time per client-sized op and the memory traffic that implies.
   .venv/bin/python -m benchmarks.weight_passes [--repeats=200]
 """
 
+import collections
 import math
 import time
 
@@ -27,48 +28,67 @@ _REPEATS = flags.DEFINE_integer('repeats', 200, 'Ops timed per case.')
 _TRIALS = flags.DEFINE_integer('trials', 5, 'Timed trials per case (median).')
 
 
+# Distinct buffers, cycled: together larger than the last-level cache, as a
+# client's weights, gradients, control variates and deltas are.
+_POOL = 16
+
+
 def _cases(tf, shapes):
-  """name -> (one client-sized op, its bytes read + written or None)."""
+  """name -> (op(i), the i-th client-sized op; its bytes read + written or
+  None), the inputs, and the model's size in bytes."""
   size = sum(math.prod(shape) for shape in shapes) * 4
   rng = tf.random.Generator.from_seed(0)
-  a = [rng.normal(shape) for shape in shapes]
-  b = [rng.normal(shape) for shape in shapes]
-  flat = tf.concat([tf.reshape(t, [-1]) for t in a], 0)
-  blob = tf.io.serialize_tensor(flat)
-  variables = [tf.Variable(t) for t in a]
-  zeros = [tf.zeros(shape) for shape in shapes]
-  return {
-      'difference a - b': (lambda: [x - y for x, y in zip(a, b)], 3 * size),
-      'scaling a / s': (lambda: [x / 3.0 for x in a], 2 * size),
-      # Adds zero: the weights stay finite whatever the repeats.
-      'in-place SGD step': (lambda: [
-          tf.raw_ops.ResourceApplyGradientDescent(
-              var=v.handle, alpha=tf.constant(0.1), delta=z)
-          for v, z in zip(variables, zeros)], 3 * size),
-      'concat (state write)': (lambda: [tf.concat(
-          [tf.reshape(t, [-1]) for t in a], 0)], 2 * size),
+
+  def model_sized():
+    return [rng.normal(shape) for shape in shapes]
+
+  a = [model_sized() for _ in range(_POOL)]
+  b = [model_sized() for _ in range(_POOL)]
+  flat = [tf.concat([tf.reshape(t, [-1]) for t in x], 0) for x in a]
+  blob = [tf.io.serialize_tensor(x) for x in flat]
+  variables = [[tf.Variable(t) for t in x] for x in a]
+  zeros = [tf.zeros(shape) for shape in shapes]  # Keeps the weights as they are.
+  inputs = (a, b, flat, blob)
+  cases = {
+      'difference a - b': (
+          lambda i, a, b, flat, blob: [x - y for x, y in zip(a[i], b[i])],
+          3 * size),
+      'scaling a / s': (
+          lambda i, a, b, flat, blob: [x / 3.0 for x in a[i]], 2 * size),
+      'in-place SGD step': (
+          lambda i, a, b, flat, blob: [
+              tf.raw_ops.ResourceApplyGradientDescent(
+                  var=v.handle, alpha=tf.constant(0.1), delta=z)
+              for v, z in zip(variables[i], zeros)], 3 * size),
+      'concat (state write)': (
+          lambda i, a, b, flat, blob: [tf.concat(
+              [tf.reshape(t, [-1]) for t in a[i]], 0)], 2 * size),
       # Copies through a TensorProto: traffic not counted.
       'serialize_tensor (state write)': (
-          lambda: [tf.io.serialize_tensor(flat)], None),
+          lambda i, a, b, flat, blob: [tf.io.serialize_tensor(flat[i])],
+          None),
       'parse_tensor (state read)': (
-          lambda: [tf.io.parse_tensor(blob, tf.float32)], None),
-  }, size
+          lambda i, a, b, flat, blob: [tf.io.parse_tensor(blob[i],
+                                                          tf.float32)],
+          None),
+  }
+  return cases, inputs, size
 
 
-def _time(tf, op, repeats: int) -> float:
-  @tf.function
-  def run():
-    done = []
-    for _ in range(repeats):  # Independent ops: every core takes some.
-      done.extend(op())
-    with tf.control_dependencies(done):
-      return tf.constant(0)
-
-  run()  # Trace and warm up.
+def _time(op, inputs, repeats: int) -> float:
+  # Eagerly, one op at a time, each split over the cores by TF's intra-op
+  # pool: a traced function would merge the repeats on the same inputs into
+  # one (common subexpression elimination). At 5.4 MB an op, the eager call's
+  # own cost (~10 us) does not count.
+  # The last few results stay alive, as a round holds several model-sized
+  # tensors: freeing each at once lets malloc return the memory and fault
+  # fresh pages in for the next (serialize_tensor: 10x slower).
+  alive = collections.deque(op(0, *inputs), maxlen=4)  # Also warms up.
   seconds = []
   for _ in range(_TRIALS.value):
     started = time.perf_counter()
-    run()
+    for i in range(repeats):
+      alive.extend(op(i % _POOL, *inputs))
     seconds.append(time.perf_counter() - started)
   return sorted(seconds)[len(seconds) // 2]
 
@@ -79,12 +99,11 @@ def main(argv):
     if flag.value < 1:
       raise UsageError(f'--{flag.name} must be >= 1, got {flag.value}')
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  cases, size = _cases(tf, state_files.GLOBAL_SHAPES)
+  cases, inputs, size = _cases(tf, state_files.GLOBAL_SHAPES)
   print(f'one op over the benchmark model ({size / 1e6:.1f} MB), '
-        f'{_REPEATS.value} independent ops a trial, median of '
-        f'{_TRIALS.value} trials, the whole machine:')
+        f'{_REPEATS.value} ops a trial, median of {_TRIALS.value} trials:')
   for name, (op, traffic) in cases.items():
-    seconds = _time(tf, op, _REPEATS.value) / _REPEATS.value
+    seconds = _time(op, inputs, _REPEATS.value) / _REPEATS.value
     print(f'  {name:32s} {1000 * seconds:6.3f} ms' + (
         f'  ({traffic / seconds / 1e9:5.1f} GB/s read + written)'
         if traffic else ''))

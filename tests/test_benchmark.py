@@ -105,6 +105,20 @@ def test_state_files_times_first_visits_and_revisits(state, megabytes):
   assert 'error: --clients_per_round must be >= 1, got 0' in bad.stderr
 
 
+def test_weight_passes_times_each_op_over_the_model():
+  result = run_binary('benchmarks.weight_passes', '--repeats=2', '--trials=1')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'one op over the benchmark model (5.4 MB)' in result.stdout
+  for op in ('difference a - b', 'scaling a / s', 'in-place SGD step',
+             'concat (state write)', 'serialize_tensor (state write)',
+             'parse_tensor (state read)'):
+    assert re.search(rf'^  {re.escape(op)} +[0-9.]+ ms', result.stdout,
+                     re.MULTILINE), result.stdout
+  bad = run_binary('benchmarks.weight_passes', '--repeats=0')
+  assert bad.returncode == 2
+  assert 'error: --repeats must be >= 1, got 0' in bad.stderr
+
+
 
 def test_central_mode_times_mixed_fl_central_work_alone():
   result = run_binary('benchmarks.rounds', '--quick', '--modes=native,central',
