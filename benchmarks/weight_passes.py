@@ -34,8 +34,8 @@ _POOL = 16
 
 
 def _cases(tf, shapes):
-  """name -> (op(i), the i-th client-sized op; its bytes read + written or
-  None), the inputs, and the model's size in bytes."""
+  """name -> (op(i), the i-th client-sized op of the pool; its bytes read +
+  written or None), and the model's size in bytes."""
   size = sum(math.prod(shape) for shape in shapes) * 4
   rng = tf.random.Generator.from_seed(0)
 
@@ -48,34 +48,27 @@ def _cases(tf, shapes):
   blob = [tf.io.serialize_tensor(x) for x in flat]
   variables = [[tf.Variable(t) for t in x] for x in a]
   zeros = [tf.zeros(shape) for shape in shapes]  # Keeps the weights as they are.
-  inputs = (a, b, flat, blob)
   cases = {
       'difference a - b': (
-          lambda i, a, b, flat, blob: [x - y for x, y in zip(a[i], b[i])],
-          3 * size),
-      'scaling a / s': (
-          lambda i, a, b, flat, blob: [x / 3.0 for x in a[i]], 2 * size),
+          lambda i: [x - y for x, y in zip(a[i], b[i])], 3 * size),
+      'scaling a / s': (lambda i: [x / 3.0 for x in a[i]], 2 * size),
       'in-place SGD step': (
-          lambda i, a, b, flat, blob: [
-              tf.raw_ops.ResourceApplyGradientDescent(
-                  var=v.handle, alpha=tf.constant(0.1), delta=z)
-              for v, z in zip(variables[i], zeros)], 3 * size),
+          lambda i: [tf.raw_ops.ResourceApplyGradientDescent(
+              var=v.handle, alpha=tf.constant(0.1), delta=z)
+                     for v, z in zip(variables[i], zeros)], 3 * size),
       'concat (state write)': (
-          lambda i, a, b, flat, blob: [tf.concat(
-              [tf.reshape(t, [-1]) for t in a[i]], 0)], 2 * size),
+          lambda i: [tf.concat([tf.reshape(t, [-1]) for t in a[i]], 0)],
+          2 * size),
       # Copies through a TensorProto: traffic not counted.
       'serialize_tensor (state write)': (
-          lambda i, a, b, flat, blob: [tf.io.serialize_tensor(flat[i])],
-          None),
+          lambda i: [tf.io.serialize_tensor(flat[i])], None),
       'parse_tensor (state read)': (
-          lambda i, a, b, flat, blob: [tf.io.parse_tensor(blob[i],
-                                                          tf.float32)],
-          None),
+          lambda i: [tf.io.parse_tensor(blob[i], tf.float32)], None),
   }
-  return cases, inputs, size
+  return cases, size
 
 
-def _time(op, inputs, repeats: int) -> float:
+def _time(op, repeats: int) -> float:
   # Eagerly, one op at a time, each split over the cores by TF's intra-op
   # pool: a traced function would merge the repeats on the same inputs into
   # one (common subexpression elimination). At 5.4 MB an op, the eager call's
@@ -83,12 +76,12 @@ def _time(op, inputs, repeats: int) -> float:
   # The last few results stay alive, as a round holds several model-sized
   # tensors: freeing each at once lets malloc return the memory and fault
   # fresh pages in for the next (serialize_tensor: 10x slower).
-  alive = collections.deque(op(0, *inputs), maxlen=4)  # Also warms up.
+  alive = collections.deque(op(0), maxlen=4)  # Also warms up.
   seconds = []
   for _ in range(_TRIALS.value):
     started = time.perf_counter()
     for i in range(repeats):
-      alive.extend(op(i % _POOL, *inputs))
+      alive.extend(op(i % _POOL))
     seconds.append(time.perf_counter() - started)
   return sorted(seconds)[len(seconds) // 2]
 
@@ -99,11 +92,11 @@ def main(argv):
     if flag.value < 1:
       raise UsageError(f'--{flag.name} must be >= 1, got {flag.value}')
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  cases, inputs, size = _cases(tf, state_files.GLOBAL_SHAPES)
+  cases, size = _cases(tf, state_files.GLOBAL_SHAPES)
   print(f'one op over the benchmark model ({size / 1e6:.1f} MB), '
         f'{_REPEATS.value} ops a trial, median of {_TRIALS.value} trials:')
   for name, (op, traffic) in cases.items():
-    seconds = _time(op, inputs, _REPEATS.value) / _REPEATS.value
+    seconds = _time(op, _REPEATS.value) / _REPEATS.value
     print(f'  {name:32s} {1000 * seconds:6.3f} ms' + (
         f'  ({traffic / seconds / 1e9:5.1f} GB/s read + written)'
         if traffic else ''))
