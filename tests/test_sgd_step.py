@@ -80,3 +80,28 @@ def test_sgd_step_in_a_graph_computes_the_step_as_written():
   gradient = np.float32(factor) * values
   np.testing.assert_array_equal(variable.numpy(),
                                 weights - np.float32(rate) * gradient)
+
+
+def test_augmented_step_is_two_rounded_updates():
+  # Mixed FL's gradient-transfer step w - eta (g + a): w - eta g, then
+  # w - eta a, each rounded as written; with a = 0 it is plain SGD.
+  weights = _values(8, *SHAPES)
+  gradients = _values(9, *SHAPES)
+  augmenting = _values(10, *SHAPES)
+  rate = np.float32(0.0731)
+  variables = [tf.Variable(w) for w in weights]
+  tf.function(lambda: sgd_step.augmented_sgd_step(
+      variables, gradients, rate, augmenting))()
+  for variable, w, g, a in zip(variables, weights, gradients, augmenting):
+    np.testing.assert_array_equal(variable.numpy(),
+                                  (w - rate * g) - rate * a)
+    np.testing.assert_allclose(
+        variable.numpy(), w.astype(np.float64) - np.float64(rate) * (
+            g.astype(np.float64) + a), rtol=0, atol=1e-5)
+  with_zero = [tf.Variable(w) for w in weights]
+  plain = [tf.Variable(w) for w in weights]
+  sgd_step.augmented_sgd_step(with_zero, gradients, rate,
+                              [np.zeros(s, np.float32) for s in SHAPES])
+  sgd_step.sgd_step(plain, gradients, rate)
+  for a, b in zip(with_zero, plain):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())

@@ -14,6 +14,10 @@ g + (c - c_i), its product and the update made three. The two forms are the
 same step in exact arithmetic; in floats they can differ in the last bit
 (one rounding more). With c = c_i the second update adds exactly zero, so the
 step is FedAvg's bit for bit.
+
+Mixed FL's gradient-transfer client step w <- w - eta (g + a), with a the
+broadcast augmenting gradient (1-w and 2-w GT with plain SGD), is taken the
+same way: w - eta g, then w - eta a. With a = 0 it is plain SGD bit for bit.
 """
 
 from typing import Sequence
@@ -39,10 +43,24 @@ def sgd_step(variables: Sequence[tf.Variable], gradients,
     _apply(variable, learning_rate, gradient)
 
 
+def _two_updates(variables: Sequence[tf.Variable], gradients, learning_rate,
+                 seconds, second_rate) -> None:
+  """w <- w - eta g, then w <- w - second_rate * s, for each variable."""
+  for variable, gradient, second in zip(variables, gradients, seconds,
+                                        strict=True):
+    _apply(variable, learning_rate, gradient)
+    _apply(variable, second_rate, second)
+
+
 def corrected_sgd_step(variables: Sequence[tf.Variable], gradients,
                        learning_rate, client_minus_server) -> None:
   """w <- w - eta (g - c_i + c), given c_i - c per variable (see above)."""
-  for variable, gradient, difference in zip(
-      variables, gradients, client_minus_server, strict=True):
-    _apply(variable, learning_rate, gradient)
-    _apply(variable, -learning_rate, difference)
+  _two_updates(variables, gradients, learning_rate, client_minus_server,
+               -learning_rate)
+
+
+def augmented_sgd_step(variables: Sequence[tf.Variable], gradients,
+                       learning_rate, augmenting_gradient) -> None:
+  """w <- w - eta (g + a), a the augmenting gradient (see above)."""
+  _two_updates(variables, gradients, learning_rate, augmenting_gradient,
+               learning_rate)

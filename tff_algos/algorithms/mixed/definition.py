@@ -138,7 +138,8 @@ def definition(name: str, task, settings) -> round_lib.RoundDefinition:
       central_weight=settings.central_weight,
       client_learning_rate=settings.client_learning_rate,
       central_learning_rate=getattr(settings, 'central_learning_rate', None),
-      diagnostics=settings.mixed_diagnostics)
+      diagnostics=settings.mixed_diagnostics,
+      client_plain_sgd=settings.client_optimizer == 'sgd')
   client_optimizer = settings_lib.optimizer(settings.client_optimizer,
                                             settings.client_learning_rate)
   server_optimizer = settings_lib.optimizer(settings.server_optimizer,

@@ -22,6 +22,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms import sgd_step
 
 ModelWeights = tff.learning.models.ModelWeights
 Weights = list  # Trainable weights: a list of tensors, in model order.
@@ -128,13 +129,15 @@ def central_update(model: tff.learning.models.VariableModel,
                    elements: tf.data.Dataset,
                    central_loss: Any,
                    augmenting_gradient: Optional[Weights],
-                   loss_weight: float):
+                   loss_weight: float,
+                   measure_first_gradient: bool = False):
   """Central model of Algorithm 1: from x, one CentralOpt step on
   g_c + gtilde_f per element of `elements` (a central batch, or a step index
   for a data-free loss).
 
   Returns an OrderedDict with `delta` (x_c - x), `num_steps`, the mean
-  unweighted central `loss`, and `first_gradient` = g_c(x) on the first batch.
+  unweighted central `loss`, and with `measure_first_gradient` (diagnostics)
+  `first_gradient` = g_c(x) on the first batch.
   """
   model_weights = ModelWeights.from_model(model)
   _assign(model_weights, initial_weights)
@@ -142,14 +145,17 @@ def central_update(model: tff.learning.models.VariableModel,
   optimizer_state = _fresh_optimizer_state(optimizer, variables)
   num_steps = tf.constant(0, tf.int32)
   loss_sum = tf.constant(0.0, tf.float32)
-  first_gradient = tuple(tf.zeros_like(v) for v in variables)
+  # Tuples, not lists: a loop would stack a list into one tensor.
+  first_gradient = (tuple(tf.zeros_like(v) for v in variables)
+                    if measure_first_gradient else ())
   for element in iter(elements):
     with tf.GradientTape() as tape:
       loss = tf.cast(central_loss.loss(model, element), tf.float32)
       weighted_loss = loss_weight * loss
     gradient = _weighted_gradient(tape, weighted_loss, variables)
-    first_gradient = tf.cond(tf.equal(num_steps, 0), lambda g=gradient: g,
-                             lambda f=first_gradient: f)
+    if measure_first_gradient:
+      first_gradient = tf.cond(tf.equal(num_steps, 0), lambda g=gradient: g,
+                               lambda f=first_gradient: f)
     if augmenting_gradient is not None:
       gradient = tuple(g + a for g, a in zip(gradient, augmenting_gradient))
     optimizer_state = _optimizer_step(optimizer, optimizer_state, variables,
@@ -157,12 +163,14 @@ def central_update(model: tff.learning.models.VariableModel,
     num_steps += 1
     loss_sum += loss
   steps = tf.cast(num_steps, tf.float32)
-  return collections.OrderedDict(
+  result = collections.OrderedDict(
       delta=subtract([v.read_value() for v in variables],
                      list(initial_weights.trainable)),
       num_steps=steps,
-      loss=tf.math.divide_no_nan(loss_sum, steps),
-      first_gradient=list(first_gradient))
+      loss=tf.math.divide_no_nan(loss_sum, steps))
+  if measure_first_gradient:
+    result['first_gradient'] = list(first_gradient)
+  return result
 
 
 @tf.function
@@ -277,6 +285,10 @@ class RoundSettings:
   client_learning_rate: float
   central_learning_rate: float
   diagnostics: bool
+  # ClientOpt is plain SGD: a gradient-transfer step is then taken in place
+  # (`sgd_step.augmented_sgd_step`), two passes over the weights where the
+  # sum, the optimizer's step and the assignment make four.
+  client_plain_sgd: bool = False
 
 
 def central_work(settings: RoundSettings,
@@ -300,7 +312,8 @@ def central_work(settings: RoundSettings,
   return central_update(model, optimizer, model_weights, elements,
                         central_loss,
                         gtilde_f if settings.keeps_augmenting_gradients
-                        else None, settings.central_weight)
+                        else None, settings.central_weight,
+                        measure_first_gradient=settings.diagnostics)
 
 
 def client_work(settings: RoundSettings,
@@ -341,11 +354,17 @@ def client_work(settings: RoundSettings,
       first_gradient = tf.cond(tf.equal(carry['num_steps'], 0),
                                lambda g=gradient: g,
                                lambda f=first_gradient: f)
-    if settings.transfers_gradients:
-      gradient = tuple(g + a for g, a in zip(
-          gradient, message['augmenting_gradient']))
-    optimizer_state = _optimizer_step(optimizer, carry['optimizer_state'],
-                                      variables, gradient)
+    optimizer_state = carry['optimizer_state']
+    if settings.transfers_gradients and settings.client_plain_sgd:
+      sgd_step.augmented_sgd_step(variables, gradient,
+                                  settings.client_learning_rate,
+                                  message['augmenting_gradient'])
+    else:
+      if settings.transfers_gradients:
+        gradient = tuple(g + a for g, a in zip(
+            gradient, message['augmenting_gradient']))
+      optimizer_state = _optimizer_step(optimizer, optimizer_state,
+                                        variables, gradient)
     return collections.OrderedDict(
         optimizer_state=optimizer_state,
         num_steps=carry['num_steps'] + 1,
