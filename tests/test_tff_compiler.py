@@ -118,10 +118,11 @@ def test_training_loops_compile_without_errors(capfd):
         options=dict(celeba_mode=mode)))
     process = _process(task, algorithm_name)
     capfd.readouterr()
-    tff_native_compiler.desugar_and_transform_to_native(
-        process.next_computation)
+    for computation in process.computations:
+      tff_native_compiler.desugar_and_transform_to_native(computation)
     tff_log = capfd.readouterr().err
-    tff_compiler.compile_for_native_runtime(process.next_computation)
+    for computation in process.computations:
+      tff_compiler.compile_for_native_runtime(computation)
     logs[algorithm_name] = (tff_log, capfd.readouterr().err)
   for _, our_log in logs.values():
     assert 'E tensorflow' not in our_log, our_log

@@ -119,13 +119,21 @@ class NativeProcess:
 
   def next(self, state, groups, round_num: int, server_seed: int):
     definition = self._definition
-    before = definition.central is not None and (
-        definition.central.before_clients)
-    central = self.central_result(state, server_seed) if before else None
-    message = self._broadcast(state, central)
-    results = self._run_groups(message, round_num, groups)
-    if definition.central is not None and not before:
-      central = self.central_result(state, server_seed)
+    central_work = definition.central
+    central = pending = None
+    with concurrent.futures.ThreadPoolExecutor(1) as central_thread:
+      if central_work is not None:
+        pending = central_thread.submit(self.central_result, state,
+                                        server_seed)
+        if central_work.before_clients:  # The broadcast carries its result.
+          central, pending = pending.result(), None
+      # Central work the broadcast does not need reads only the server state:
+      # it runs alongside the clients, as a server trains while its clients
+      # do; its result is the same as when it runs after them.
+      message = self._broadcast(state, central)
+      results = self._run_groups(message, round_num, groups)
+      if pending is not None:
+        central = pending.result()
     if self._communication is None:
       self._communication = server.communication_metrics(
           definition, _type_of(message), _type_of(results[0]))

@@ -4,14 +4,20 @@
 RoundDefinition` as TFF computations:
 
   initialize: ( -> state@SERVER)
-  prepare:    (state@SERVER, <round_num, server_seed>@SERVER
+  central:    (state@SERVER, <round_num, server_seed>@SERVER
                -> central@SERVER)
-              only when the broadcast needs central work (1-w GT)
+              only for algorithms with central work (mixed FL)
   next:       (state@SERVER, cohort@CLIENTS, round@SERVER)
               -> <state@SERVER, metrics@SERVER>
 
-`round` is <round_num, server_seed[, central]>, with `prepare`'s result as
-`central` when there is one; each TFF client of `cohort` is a group
+`round` is <round_num, server_seed[, central]>, with `central`'s result
+when the broadcast needs it (1-w GT). Central work the broadcast does not
+need (PT, 2-w GT) reads only the server state, so it runs alongside the
+clients, as a server trains while its clients do: `next` is then two
+computations, `clients` (state, cohort, round) -> the clients' aggregates
+@SERVER and `finish` (state, round with central, aggregates) -> <state,
+metrics>, and `RoundProcess.next` runs `central` and `clients` at the same
+time. Each TFF client of `cohort` is a group
 of the round's clients <ids, seeds[, versions]> (`runtime.cohort`): its
 computation builds every client's dataset, reads and writes every client's
 state, and returns the group's sums, so per client only an id, a seed and a
@@ -36,11 +42,12 @@ client's own update. Everything else a client sends is summed in the clear.
 
 Under TFF's mergeable execution (several workers or sub-rounds), each
 group's client work runs once: `next` returns nothing placed at CLIENTS, so
-nothing is recomputed after the merge, and central work either runs in
-`prepare` or with the server update, after the merge - once per round.
+nothing is recomputed after the merge, and central work runs in its own
+computation, which has no clients - once per round.
 """
 
 import collections
+import concurrent.futures
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -80,10 +87,21 @@ class RoundProcess:
   next(state, groups, round_num, server_seed) -> (state, metrics)
   """
   initialize_computation: tff.Computation
-  # (state, <round_num, server_seed>) -> central result; None unless the
-  # broadcast needs central work (1-w GT).
-  prepare_computation: Optional[tff.Computation]
+  # (state, <round_num, server_seed>) -> central result; None without
+  # central work.
+  central_computation: Optional[tff.Computation]
+  # (state, groups, round) -> (state, metrics); with `finish_computation`,
+  # (state, groups, round) -> the clients' aggregates.
   next_computation: tff.Computation
+  # (state, round with central, aggregates) -> (state, metrics) when the
+  # central work runs alongside the clients; else None.
+  finish_computation: Optional[tff.Computation] = None
+
+  @property
+  def computations(self) -> tuple[tff.Computation, ...]:
+    return tuple(c for c in (self.initialize_computation,
+                             self.central_computation, self.next_computation,
+                             self.finish_computation) if c is not None)
 
   def initialize(self):
     return self.initialize_computation()
@@ -91,9 +109,23 @@ class RoundProcess:
   def next(self, state, groups, round_num: int, server_seed: int):
     round_info = collections.OrderedDict(round_num=np.int64(round_num),
                                          server_seed=np.int64(server_seed))
-    if self.prepare_computation is not None:
-      round_info['central'] = self.prepare_computation(state, round_info)
-    return self.next_computation(state, groups, round_info)
+    if self.finish_computation is None:
+      if self.central_computation is not None:
+        round_info['central'] = self.central_computation(state, round_info)
+      return self.next_computation(state, groups, round_info)
+    # TFF's context stack is per thread: the central thread runs in this
+    # thread's context.
+    context = tff.framework.get_context_stack().current
+
+    def central_work():
+      with tff.framework.get_context_stack().install(context):
+        return self.central_computation(state, round_info)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as central_thread:
+      central = central_thread.submit(central_work)
+      aggregates = self.next_computation(state, groups, round_info)
+      finished = collections.OrderedDict(round_info, central=central.result())
+    return self.finish_computation(state, finished, aggregates)
 
 
 def build(definition: round_lib.RoundDefinition, data: DataFunctions,
@@ -129,16 +161,22 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
                 else None)
     return central.run(central.context(), state, elements)
 
-  # The round's server-placed input; 1-w GT's central result joins it.
+  # The round's server-placed input; the central result joins it where the
+  # broadcast needs it (1-w GT), or the server update (PT, 2-w GT).
   seed_fields = [('round_num', np.int64), ('server_seed', np.int64)]
-  round_fields = list(seed_fields)
-  if before_clients:
+  seed_type = tff.StructWithPythonType(seed_fields, collections.OrderedDict)
+  with_central_type = seed_type
+  if central is not None:
     central_comp = tff.tensorflow.computation(
         run_central, algorithm_state_type, np.int64)
-    round_fields.append(('central', central_comp.type_signature.result))
-  round_type = tff.StructWithPythonType(round_fields, collections.OrderedDict)
+    with_central_type = tff.StructWithPythonType(
+        seed_fields + [('central', central_comp.type_signature.result)],
+        collections.OrderedDict)
+  # What `clients` and `finish` take.
+  clients_round_type = with_central_type if before_clients else seed_type
+  finish_round_type = with_central_type
 
-  @tff.tensorflow.computation(algorithm_state_type, round_type)
+  @tff.tensorflow.computation(algorithm_state_type, clients_round_type)
   def broadcast_comp(state, round_info):
     return collections.OrderedDict(
         message=definition.broadcast(state, round_info.get('central')),
@@ -173,16 +211,14 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
         result_type.model_update, *([result_type.weight] if weighted else []))
 
   def server_fn(inputs):
-    state, round_info = inputs['state'], inputs['round']
-    central_result = round_info.get('central')
-    if central is not None and not before_clients:
-      central_result = run_central(state, round_info['server_seed'])
+    state, aggregates = inputs['state'], inputs['aggregates']
     new_state, metrics = server.server_step(
-        definition, state, inputs['totals'], central_result,
-        communication_values, inputs.get('model_update'))
+        definition, state, aggregates['totals'],
+        inputs['round'].get('central'), communication_values,
+        aggregates.get('model_update'))
     if aggregation is not None:
-      new_state = _with_aggregator(new_state, inputs['aggregator_state'])
-      metrics['aggregator'] = inputs['aggregator_measurements']
+      new_state = _with_aggregator(new_state, aggregates['aggregator_state'])
+      metrics['aggregator'] = aggregates['aggregator_measurements']
     return new_state, metrics
 
   @tff.federated_computation
@@ -207,45 +243,65 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
             tff.federated_map(algorithm_part, state))
 
   server_state = tff.FederatedType(state_type, tff.SERVER)
+  groups_type = tff.FederatedType(group_type(definition.has_client_state),
+                                  tff.CLIENTS)
 
-  @tff.federated_computation(
-      server_state,
-      tff.FederatedType(group_type(definition.has_client_state), tff.CLIENTS),
-      tff.FederatedType(round_type, tff.SERVER))
-  def next_fn(state, groups, round_info):
-    algorithm_state = algorithm_state_of(state)
-    payload = tff.federated_map(broadcast_comp, (algorithm_state, round_info))
+  def clients_part(state, groups, round_info):
+    """The clients' aggregates@SERVER: their sums, and the model update's
+    aggregation by the factory, if any."""
+    payload = tff.federated_map(broadcast_comp, (algorithm_state_of(state),
+                                                 round_info))
     results = tff.federated_map(group_comp,
                                 (tff.federated_broadcast(payload), groups))
-    server_inputs = collections.OrderedDict(
-        state=algorithm_state, round=round_info,
+    aggregates = collections.OrderedDict(
         totals=tff.federated_zip(collections.OrderedDict(
             (name, tff.federated_sum(getattr(results, name)))
             for name in summed)))
     if aggregation is not None:
       output = aggregation.next(state.aggregator, results.model_update,
                                 *([results.weight] if weighted else []))
-      server_inputs.update(model_update=output.result,
-                           aggregator_state=output.state,
-                           aggregator_measurements=output.measurements)
-    server_inputs = tff.federated_zip(server_inputs)
+      aggregates.update(model_update=output.result,
+                        aggregator_state=output.state,
+                        aggregator_measurements=output.measurements)
+    return tff.federated_zip(aggregates)
+
+  def finish_part(state, round_info, aggregates):
+    server_inputs = tff.federated_zip(collections.OrderedDict(
+        state=algorithm_state_of(state), round=round_info,
+        aggregates=aggregates))
     server_comp = tff.tensorflow.computation(
         server_fn, server_inputs.type_signature.member)
     updated = tff.federated_map(server_comp, server_inputs)
     return updated[0], updated[1]
 
-  prepare = None
-  if before_clients:
+  central_fn = None
+  if central is not None:
 
-    @tff.federated_computation(server_state, tff.FederatedType(
-        tff.StructWithPythonType(seed_fields, collections.OrderedDict),
-        tff.SERVER))
-    def prepare(state, round_info):
-      algorithm_state = algorithm_state_of(state)
-      return tff.federated_map(central_comp, (algorithm_state,
+    @tff.federated_computation(server_state,
+                               tff.FederatedType(seed_type, tff.SERVER))
+    def central_fn(state, round_info):
+      return tff.federated_map(central_comp, (algorithm_state_of(state),
                                               round_info.server_seed))
 
-  return RoundProcess(initialize, prepare, next_fn)
+  if central is None or before_clients:
+
+    @tff.federated_computation(
+        server_state, groups_type,
+        tff.FederatedType(clients_round_type, tff.SERVER))
+    def next_fn(state, groups, round_info):
+      return finish_part(state, round_info,
+                         clients_part(state, groups, round_info))
+
+    return RoundProcess(initialize, central_fn, next_fn)
+
+  clients_fn = tff.federated_computation(
+      clients_part, server_state, groups_type,
+      tff.FederatedType(clients_round_type, tff.SERVER))
+  finish_fn = tff.federated_computation(
+      finish_part, server_state,
+      tff.FederatedType(finish_round_type, tff.SERVER),
+      clients_fn.type_signature.result)
+  return RoundProcess(initialize, central_fn, clients_fn, finish_fn)
 
 
 def _with_aggregator(state, aggregator_state):
