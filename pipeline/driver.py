@@ -26,6 +26,7 @@ import tqdm
 from pipeline import evaluation
 from pipeline import export as export_lib
 from pipeline import run_directory
+from pipeline import tff_runtime
 from pipeline.errors import UsageError
 from tasks import base
 from tff_algos.aggregation import accounting
@@ -169,7 +170,8 @@ def compose_process(definition: round_lib.RoundDefinition, task: base.Task,
       raise UsageError('--runtime=native runs the mean aggregator only; '
                        'use --runtime=tff for other aggregators')
     return native.NativeProcess(definition, data, formats, batched_cohorts)
-  return tff_process.build(definition, data, formats, model_aggregator)
+  return tff_process.build(definition, data, formats, model_aggregator,
+                           server_context_fn=tff_runtime.server_context)
 
 
 def _program_state(round_num: int, server_state, versions: np.ndarray):

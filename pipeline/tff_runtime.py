@@ -52,6 +52,24 @@ def partitions() -> int:
   return _partitions
 
 
+# A context of its own on the (first) worker, for computations without
+# clients (see server_context).
+_server_context = None
+
+
+def server_context():
+  """The configured context for computations without clients, or None.
+
+  A sync context on the first worker, beside the default one: the mergeable
+  context would ingest such a computation's arguments once per sub-round,
+  and a computation invoked through it (or through the default sync
+  context) while another runs waits for that one on the context's event
+  loop. Through this context it runs alongside (mixed FL's central work
+  while the clients train).
+  """
+  return _server_context
+
+
 # A local worker that neither answers nor exits within this is given up on.
 WORKER_START_SECONDS = 60
 # How long a --worker_addresses address may take to accept a connection.
@@ -76,6 +94,7 @@ def _worker_children() -> list[psutil.Process]:
 
 def shutdown_workers() -> None:
   """Stops every TFF worker process started by this process. Idempotent."""
+  global _server_context
   # Stop the workers ourselves, with a deadline, before TFF's ServiceManager
   # can: its __del__ sends SIGINT and then waits without a timeout, and a
   # worker that ignores the SIGINT (seen once: a run hung in that wait for
@@ -103,6 +122,7 @@ def shutdown_workers() -> None:
     # stopped workers); contexts sit in reference cycles, so collect now,
     # not at interpreter teardown.
     tff_internals.set_no_default_context()
+    _server_context = None
     gc.collect()
 
 
@@ -278,42 +298,51 @@ class _LocalWorker:
     return process
 
 
-def _local_worker_factory(max_concurrent_computation_calls: int,
-                          binary_path: Optional[str] = None):
-  """TFF's `local_cpp_executor_factory`, on a `_LocalWorker`."""
+def _worker_executor_factory(stub_fn):
+  """TFF's executor factory on one worker (`stub_fn()` -> its gRPC stub), as
+  TFF's `local_cpp_executor_factory` builds it."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  worker = _LocalWorker(binary_path or worker_binary_path(),
-                        max_concurrent_computation_calls)
 
   def executor_fn(cardinalities):
+    # Computations without clients-placed arguments still need a clients
+    # cardinality.
     if cardinalities.get(tff.CLIENTS) is None:
       cardinalities[tff.CLIENTS] = 0
-    executor = tff.framework.RemoteExecutor(worker.stub())
+    executor = tff.framework.RemoteExecutor(stub_fn())
     executor.set_cardinalities(cardinalities)
     return executor
 
-  # The worker lives as long as the factory (and so the context) does.
   return tff.framework.ResourceManagingExecutorFactory(executor_fn)
 
 
-def _native_context(context_class, executor_fn):
-  """A context of `context_class` compiled with `tff_compiler` (TFF's own
+def _native_context(stub_fn, asynchronous: bool):
+  """A context on one worker, compiled with `tff_compiler` (TFF's own
   compiler, with its graph-optimizer errors avoided)."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
   from tff_algos.runtime import tff_compiler  # pylint: disable=g-import-not-at-top
   return tff_internals.native_context(
-      context_class, executor_fn, tff_compiler.compile_for_native_runtime)
+      tff.framework.AsyncExecutionContext if asynchronous else
+      tff.framework.SyncExecutionContext,
+      _worker_executor_factory(stub_fn),
+      tff_compiler.compile_for_native_runtime)
+
+
+def _local_worker(max_concurrent_computation_calls: int = -1,
+                  binary_path: Optional[str] = None):
+  """The stub function of a new local worker (started on first use; it
+  lives as long as a context holds the function)."""
+  return _LocalWorker(binary_path or worker_binary_path(),
+                      max_concurrent_computation_calls).stub
 
 
 def local_worker_context(max_concurrent_computation_calls: int = -1,
                          asynchronous: bool = False,
                          binary_path: Optional[str] = None):
   """A context on its own local C++ worker (started on first use)."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   return _native_context(
-      tff.framework.AsyncExecutionContext if asynchronous else
-      tff.framework.SyncExecutionContext,
-      _local_worker_factory(max_concurrent_computation_calls, binary_path))
+      _local_worker(max_concurrent_computation_calls, binary_path),
+      asynchronous)
 
 
 def parse_worker_addresses(addresses: str) -> tuple[str, ...]:
@@ -329,8 +358,8 @@ def parse_worker_addresses(addresses: str) -> tuple[str, ...]:
   return tuple(parsed)
 
 
-def _remote_worker_context(address: str):
-  """An async context on an already-running TFF worker at `address`;
+def _remote_worker(address: str):
+  """The stub function of an already-running TFF worker at `address`;
   EnvironmentFault if nothing answers there within REMOTE_CONNECT_SECONDS
   (TFF would retry the connection forever)."""
   import grpc  # pylint: disable=g-import-not-at-top
@@ -348,18 +377,7 @@ def _remote_worker_context(address: str):
         f'{REMOTE_CONNECT_SECONDS} s (start one there with `worker_binary '
         '--port=PORT`)') from None
   stub = tff.framework.RemoteExecutorGrpcStub(channel)
-
-  def executor_fn(cardinalities):
-    # As TFF's local factory does: computations without clients-placed
-    # arguments still need a clients cardinality.
-    cardinalities.setdefault(tff.CLIENTS, 0)
-    executor = tff.framework.RemoteExecutor(stub)
-    executor.set_cardinalities(cardinalities)
-    return executor
-
-  return _native_context(
-      tff.framework.AsyncExecutionContext,
-      tff.framework.ResourceManagingExecutorFactory(executor_fn))
+  return lambda: stub
 
 
 def configure_execution(max_concurrent_computation_calls: int = -1,
@@ -380,10 +398,10 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   feed one aggregation's result into another (TFF raises a ValueError when
   compiling one that does); SCAFFOLD's `next` is tested to give the
   one-worker results. A worker holds the values of one sub-round's clients
-  at a time, which bounds its memory at large cohorts. Client-placed outputs
-  computed before the aggregation (e.g. new client states) are recomputed
-  after the merge, so stateful algorithms do their client work twice on this
-  path.
+  at a time, which bounds its memory at large cohorts. (Client-placed
+  outputs computed before the aggregation would be recomputed after the
+  merge; this project's rounds return none, so each client's work runs
+  once.) Computations without clients go to `server_context()`.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
@@ -397,23 +415,24 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   if num_subrounds < 0:
     raise UsageError(f'--num_subrounds must be >= 0, got {num_subrounds}')
   _stop_context_workers()
-  global _partitions
+  global _partitions, _server_context
   mergeable = worker_addresses or num_workers > 1 or num_subrounds > 1
   _partitions = (num_subrounds or len(worker_addresses) or num_workers
                  if mergeable else 1)
   if mergeable:
     tff_internals.fix_mergeable_context_partitioning()
   if worker_addresses:
-    contexts = [_remote_worker_context(a) for a in worker_addresses]
-  elif mergeable:
-    # Each local context starts (and owns) its own worker_binary child.
-    contexts = [local_worker_context(max_concurrent_computation_calls,
-                                     asynchronous=True)
-                for _ in range(num_workers)]
+    workers = [_remote_worker(a) for a in worker_addresses]
+  else:
+    # Each local worker_binary child lives as long as a context on it.
+    workers = [_local_worker(max_concurrent_computation_calls)
+               for _ in range(num_workers)]
   if mergeable:
     tff.backends.native.set_mergeable_comp_execution_context(
-        contexts, num_subrounds=num_subrounds or None)
+        [_native_context(w, asynchronous=True) for w in workers],
+        num_subrounds=num_subrounds or None)
   else:
     tff.framework.set_default_context(
-        local_worker_context(max_concurrent_computation_calls))
+        _native_context(workers[0], asynchronous=False))
+  _server_context = _native_context(workers[0], asynchronous=False)
   gc.collect()  # The replaced context's (unstarted) service manager.

@@ -96,6 +96,10 @@ class RoundProcess:
   # (state, round with central, aggregates) -> (state, metrics) when the
   # central work runs alongside the clients; else None.
   finish_computation: Optional[tff.Computation] = None
+  # () -> the context that runs the computations without clients (central,
+  # finish) beside the default one, or None for the default
+  # (`pipeline.tff_runtime.server_context`).
+  server_context_fn: Optional[Callable[[], Any]] = None
 
   @property
   def computations(self) -> tuple[tff.Computation, ...]:
@@ -109,28 +113,37 @@ class RoundProcess:
   def next(self, state, groups, round_num: int, server_seed: int):
     round_info = collections.OrderedDict(round_num=np.int64(round_num),
                                          server_seed=np.int64(server_seed))
+    on_server = self._server_runner()
     if self.finish_computation is None:
       if self.central_computation is not None:
-        round_info['central'] = self.central_computation(state, round_info)
+        round_info['central'] = on_server(self.central_computation, state,
+                                          round_info)
       return self.next_computation(state, groups, round_info)
-    # TFF's context stack is per thread: the central thread runs in this
-    # thread's context.
-    context = tff.framework.get_context_stack().current
-
-    def central_work():
-      with tff.framework.get_context_stack().install(context):
-        return self.central_computation(state, round_info)
-
     with concurrent.futures.ThreadPoolExecutor(1) as central_thread:
-      central = central_thread.submit(central_work)
+      central = central_thread.submit(on_server, self.central_computation,
+                                      state, round_info)
       aggregates = self.next_computation(state, groups, round_info)
       finished = collections.OrderedDict(round_info, central=central.result())
-    return self.finish_computation(state, finished, aggregates)
+    return on_server(self.finish_computation, state, finished, aggregates)
+
+  def _server_runner(self) -> Callable:
+    """(computation, *args) -> its result, in the server context; callable
+    from any thread (TFF's context stack is per thread)."""
+    context = self.server_context_fn() if self.server_context_fn else None
+    context = context or tff.framework.get_context_stack().current
+
+    def run(computation, *args):
+      with tff.framework.get_context_stack().install(context):
+        return computation(*args)
+
+    return run
 
 
 def build(definition: round_lib.RoundDefinition, data: DataFunctions,
           state_format: Optional[client_states.StateFormat] = None,
-          model_aggregator: Optional[Any] = None) -> RoundProcess:
+          model_aggregator: Optional[Any] = None,
+          server_context_fn: Optional[Callable[[], Any]] = None
+          ) -> RoundProcess:
   """The TFF process of `definition` (see the module docstring).
 
   Args:
@@ -141,6 +154,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     model_aggregator: a `tff.aggregators` factory for the model update, or
       None for the weighted mean from group sums. With a factory every
       group must hold one client.
+    server_context_fn: see `RoundProcess.server_context_fn`.
   """
   central = definition.central
   if central is not None and central.uses_data and (
@@ -292,7 +306,8 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
       return finish_part(state, round_info,
                          clients_part(state, groups, round_info))
 
-    return RoundProcess(initialize, central_fn, next_fn)
+    return RoundProcess(initialize, central_fn, next_fn,
+                        server_context_fn=server_context_fn)
 
   clients_fn = tff.federated_computation(
       clients_part, server_state, groups_type,
@@ -301,7 +316,8 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
       finish_part, server_state,
       tff.FederatedType(finish_round_type, tff.SERVER),
       clients_fn.type_signature.result)
-  return RoundProcess(initialize, central_fn, clients_fn, finish_fn)
+  return RoundProcess(initialize, central_fn, clients_fn, finish_fn,
+                      server_context_fn)
 
 
 def _with_aggregator(state, aggregator_state):
