@@ -171,7 +171,8 @@ def compose_process(definition: round_lib.RoundDefinition, task: base.Task,
                        'use --runtime=tff for other aggregators')
     return native.NativeProcess(definition, data, formats, batched_cohorts)
   return tff_process.build(definition, data, formats, model_aggregator,
-                           server_context_fn=tff_runtime.server_context)
+                           server_context_fn=tff_runtime.server_context,
+                           split_fn=lambda: tff_runtime.partitions() > 1)
 
 
 def _program_state(round_num: int, server_state, versions: np.ndarray):

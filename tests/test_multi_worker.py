@@ -181,21 +181,32 @@ def test_sub_rounds_on_one_worker_give_the_one_worker_run(
 
 def test_central_update_runs_once_per_round_with_sub_rounds(
     tmp_path, restore_default_context):
+  # 2-w GT's central update runs alongside the clients: with sub-rounds as
+  # computations of its own beside them, on one worker inside the round's
+  # computation. Both run it once a round and give the same model.
   del restore_default_context
-  tff_runtime.configure_execution(num_subrounds=2)
   task = tiny_task(client_steps=2)
-  counts = tmp_path / 'central_updates'
-  counts.mkdir()
-  definition = counting_central_updates(
-      registry.build('mixed_2wgt', task, mixed.TwoWayGtSettings(
-          client_learning_rate=0.3, central_learning_rate=0.2)),
-      str(counts))
   rounds = 2
-  driver.train(definition, task, driver.RunConfig(
-      root_output_dir=str(tmp_path), experiment_name='mixed',
-      total_rounds=rounds, clients_per_round=4, rounds_per_eval=rounds,
-      rounds_per_checkpoint=rounds, export=False))
-  assert len(os.listdir(counts)) == rounds
+  results = {}
+  for name, num_subrounds in (('sub_rounds', 2), ('one_worker', 0)):
+    tff_runtime.configure_execution(num_subrounds=num_subrounds)
+    counts = tmp_path / f'central_updates_{name}'
+    counts.mkdir()
+    definition = counting_central_updates(
+        registry.build('mixed_2wgt', task, mixed.TwoWayGtSettings(
+            client_learning_rate=0.3, central_learning_rate=0.2)),
+        str(counts))
+    results[name] = driver.train(definition, task, driver.RunConfig(
+        root_output_dir=str(tmp_path), experiment_name=name,
+        total_rounds=rounds, clients_per_round=4, rounds_per_eval=rounds,
+        rounds_per_checkpoint=rounds, export=False))
+    assert len(os.listdir(counts)) == rounds
+  # Sub-rounds change only the order of float sums.
+  for want, got in zip(_flat(results['one_worker'].server_state),
+                       _flat(results['sub_rounds'].server_state)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert any(np.any(x != 0) for x in _flat(
+      results['one_worker'].server_state['gtilde_f']))
 
 
 @pytest.mark.parametrize('addresses', ['localhost', 'localhost:port',

@@ -13,11 +13,13 @@ RoundDefinition` as TFF computations:
 `round` is <round_num, server_seed[, central]>, with `central`'s result
 when the broadcast needs it (1-w GT). Central work the broadcast does not
 need (PT, 2-w GT) reads only the server state, so it runs alongside the
-clients, as a server trains while its clients do: `next` is then two
-computations, `clients` (state, cohort, round) -> the clients' aggregates
-@SERVER and `finish` (state, round with central, aggregates) -> <state,
-metrics>, and `RoundProcess.next` runs `central` and `clients` at the same
-time. Each TFF client of `cohort` is a group
+clients, as a server trains while its clients do: in `next` its call depends
+on the state alone (TFF's C++ runtime runs it while the clients train), and
+for TFF's mergeable context, which would run it after the last sub-round,
+`next` is also split in two, `clients` (state, cohort, round) -> the
+clients' aggregates@SERVER and `finish` (state, round with central,
+aggregates) -> <state, metrics>, with `central` run at the same time as
+`clients`. Each TFF client of `cohort` is a group
 of the round's clients <ids, seeds[, versions]> (`runtime.cohort`): its
 computation builds every client's dataset, reads and writes every client's
 state, and returns the group's sums, so per client only an id, a seed and a
@@ -42,8 +44,8 @@ client's own update. Everything else a client sends is summed in the clear.
 
 Under TFF's mergeable execution (several workers or sub-rounds), each
 group's client work runs once: `next` returns nothing placed at CLIENTS, so
-nothing is recomputed after the merge, and central work runs in its own
-computation, which has no clients - once per round.
+nothing is recomputed after the merge, and central work runs after the
+merge or in a computation without clients - once per round.
 """
 
 import collections
@@ -90,22 +92,26 @@ class RoundProcess:
   # (state, <round_num, server_seed>) -> central result; None without
   # central work.
   central_computation: Optional[tff.Computation]
-  # (state, groups, round) -> (state, metrics); with `finish_computation`,
-  # (state, groups, round) -> the clients' aggregates.
+  # (state, groups, round) -> (state, metrics).
   next_computation: tff.Computation
-  # (state, round with central, aggregates) -> (state, metrics) when the
-  # central work runs alongside the clients; else None.
+  # Central work alongside the clients, split for TFF's mergeable context:
+  # (state, groups, round) -> the clients' aggregates, and (state, round
+  # with central, aggregates) -> (state, metrics). Else None.
+  clients_computation: Optional[tff.Computation] = None
   finish_computation: Optional[tff.Computation] = None
   # () -> the context that runs the computations without clients (central,
   # finish) beside the default one, or None for the default
   # (`pipeline.tff_runtime.server_context`).
   server_context_fn: Optional[Callable[[], Any]] = None
+  # () -> whether to run the split form (`pipeline.tff_runtime.mergeable`).
+  split_fn: Optional[Callable[[], bool]] = None
 
   @property
   def computations(self) -> tuple[tff.Computation, ...]:
-    return tuple(c for c in (self.initialize_computation,
-                             self.central_computation, self.next_computation,
-                             self.finish_computation) if c is not None)
+    return tuple(c for c in (
+        self.initialize_computation, self.central_computation,
+        self.next_computation, self.clients_computation,
+        self.finish_computation) if c is not None)
 
   def initialize(self):
     return self.initialize_computation()
@@ -114,15 +120,18 @@ class RoundProcess:
     round_info = collections.OrderedDict(round_num=np.int64(round_num),
                                          server_seed=np.int64(server_seed))
     on_server = self._server_runner()
-    if self.finish_computation is None:
-      if self.central_computation is not None:
+    split = (self.finish_computation is not None and
+             self.split_fn is not None and self.split_fn())
+    if not split:
+      if self.central_computation is not None and (
+          self.clients_computation is None):  # The broadcast needs it.
         round_info['central'] = on_server(self.central_computation, state,
                                           round_info)
       return self.next_computation(state, groups, round_info)
     with concurrent.futures.ThreadPoolExecutor(1) as central_thread:
       central = central_thread.submit(on_server, self.central_computation,
                                       state, round_info)
-      aggregates = self.next_computation(state, groups, round_info)
+      aggregates = self.clients_computation(state, groups, round_info)
       finished = collections.OrderedDict(round_info, central=central.result())
     return on_server(self.finish_computation, state, finished, aggregates)
 
@@ -142,8 +151,8 @@ class RoundProcess:
 def build(definition: round_lib.RoundDefinition, data: DataFunctions,
           state_format: Optional[client_states.StateFormat] = None,
           model_aggregator: Optional[Any] = None,
-          server_context_fn: Optional[Callable[[], Any]] = None
-          ) -> RoundProcess:
+          server_context_fn: Optional[Callable[[], Any]] = None,
+          split_fn: Optional[Callable[[], bool]] = None) -> RoundProcess:
   """The TFF process of `definition` (see the module docstring).
 
   Args:
@@ -154,7 +163,7 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     model_aggregator: a `tff.aggregators` factory for the model update, or
       None for the weighted mean from group sums. With a factory every
       group must hold one client.
-    server_context_fn: see `RoundProcess.server_context_fn`.
+    server_context_fn, split_fn: see `RoundProcess`.
   """
   central = definition.central
   if central is not None and central.uses_data and (
@@ -309,6 +318,24 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
     return RoundProcess(initialize, central_fn, next_fn,
                         server_context_fn=server_context_fn)
 
+  # Central work alongside the clients. In one computation, its call depends
+  # on the server state alone, and TFF's C++ runtime runs it while the
+  # clients train.
+  @tff.federated_computation(
+      server_state, groups_type,
+      tff.FederatedType(clients_round_type, tff.SERVER))
+  def next_fn(state, groups, round_info):  # pylint: disable=function-redefined
+    central_result = tff.federated_map(central_comp, (
+        algorithm_state_of(state), round_info.server_seed))
+    finished_round = tff.federated_zip(collections.OrderedDict(
+        round_num=round_info.round_num, server_seed=round_info.server_seed,
+        central=central_result))
+    return finish_part(state, finished_round,
+                       clients_part(state, groups, round_info))
+
+  # Split, for TFF's mergeable context (sub-rounds, several workers), which
+  # runs a computation's server work after its last sub-round:
+  # `RoundProcess.next` runs `central` and `clients` at the same time.
   clients_fn = tff.federated_computation(
       clients_part, server_state, groups_type,
       tff.FederatedType(clients_round_type, tff.SERVER))
@@ -316,8 +343,8 @@ def build(definition: round_lib.RoundDefinition, data: DataFunctions,
       finish_part, server_state,
       tff.FederatedType(finish_round_type, tff.SERVER),
       clients_fn.type_signature.result)
-  return RoundProcess(initialize, central_fn, clients_fn, finish_fn,
-                      server_context_fn)
+  return RoundProcess(initialize, central_fn, next_fn, clients_fn, finish_fn,
+                      server_context_fn, split_fn)
 
 
 def _with_aggregator(state, aggregator_state):
