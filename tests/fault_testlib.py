@@ -43,6 +43,20 @@ def preloaded(binary):
   return PreloadedBinary(f'binaries.{binary}', REPO, environment())
 
 
+def preloaded_runs(module):
+  """A module-scoped fixture: `run(*args)` runs `python -m <module> *args`
+  in a process of its own, forked from a server that imported `module` once
+  (see preloaded_binary); it returns the CompletedProcess."""
+
+  @pytest.fixture(scope='module')
+  def fixture():
+    binary = PreloadedBinary(module, REPO, environment())
+    yield lambda *args: binary.run(list(args))
+    binary.close()
+
+  return fixture
+
+
 def train(root, name, flags, *more, total_rounds=3, binary=None):
   """Trains a run to completion, with `binary` (a preloaded train binary)
   or in a new process."""

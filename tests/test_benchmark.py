@@ -8,15 +8,21 @@ import re
 
 import pytest
 
+import fault_testlib
 from test_cli import run_binary
+
+
+# benchmarks.rounds imported once: each run a process of its own without
+# TensorFlow's import. Its measurements still run as
+# `python -m benchmarks.rounds --child=...` processes.
+rounds = fault_testlib.preloaded_runs('benchmarks.rounds')
 
 LAST_LINE = re.compile(r'ratio_tff_over_bound=(\S+) ratio_naive_over_tff=(\S+) '
                        r'peak_rss_mb=(\d+)$')
 
 
-def test_quick_run_prints_the_ratios_line():
-  result = run_binary('benchmarks.rounds', '--quick', '--clients_per_round=3',
-                      '--population=6')
+def test_quick_run_prints_the_ratios_line(rounds):
+  result = rounds('--quick', '--clients_per_round=3', '--population=6')
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   match = LAST_LINE.match(lines[-1])
@@ -30,17 +36,17 @@ def test_quick_run_prints_the_ratios_line():
                for line in lines), mode
 
 
-def test_negative_thread_count_is_one_clear_error():
-  result = run_binary('benchmarks.rounds', '--bound_threads=-1')
+def test_negative_thread_count_is_one_clear_error(rounds):
+  result = rounds('--bound_threads=-1')
   assert result.returncode == 2
   assert 'error: --bound_threads must be >= 0, got -1' in (
       result.stdout + result.stderr)
 
 
-def test_tff_mode_alone_prints_lines_the_peer_comparison_parses():
+def test_tff_mode_alone_prints_lines_the_peer_comparison_parses(rounds):
   from benchmarks.peers import compare  # pylint: disable=import-outside-toplevel
-  result = run_binary('benchmarks.rounds', '--quick', '--modes=tff',
-                      '--clients_per_round=3', '--population=6')
+  result = rounds('--quick', '--modes=tff', '--clients_per_round=3',
+                  '--population=6')
   assert result.returncode == 0, result.stderr[-3000:]
   records = compare.parse_project_output(result.stdout)
   assert [(r['algorithm'], r['clients']) for r in records] == [('fedavg', 3)]
@@ -49,29 +55,32 @@ def test_tff_mode_alone_prints_lines_the_peer_comparison_parses():
                  for line in result.stdout.splitlines())
 
 
-def test_unknown_mode_is_one_clear_error():
-  result = run_binary('benchmarks.rounds', '--modes=tff,fast')
+def test_unknown_mode_is_one_clear_error(rounds):
+  result = rounds('--modes=tff,fast')
   assert result.returncode == 2
   assert 'error: --modes=tff,fast must name some of tff, native, naive, bound' in (
       result.stdout + result.stderr)
 
 
-@pytest.mark.parametrize('algorithm', ['scaffold', 'fedres_avg'])
-def test_stateful_bound_runs_revisited_clients_and_prints_its_ratio(algorithm):
+def test_stateful_bounds_run_revisited_clients_and_print_their_ratios(rounds):
   # 3 of 6 clients over 3 rounds: some clients read the state they wrote.
-  result = run_binary('benchmarks.rounds', '--quick', '--modes=bound',
-                      '--clients_per_round=3', '--population=6',
-                      '--sweep_clients=3', f'--sweep_algorithms={algorithm}',
-                      '--rounds=2')
+  # Both stateful bounds in one run (each its own measuring child, as with
+  # one algorithm a run), sharing the parent and FedAvg's bound.
+  algorithms = ('scaffold', 'fedres_avg')
+  result = rounds('--quick', '--modes=bound', '--clients_per_round=3',
+                  '--population=6', '--sweep_clients=3',
+                  f'--sweep_algorithms={",".join(algorithms)}', '--rounds=2')
   assert result.returncode == 0, result.stderr[-3000:]
-  assert re.search(rf'^\s*bound\s+{algorithm}\s+3 clients:', result.stdout,
-                   re.MULTILINE), result.stdout
-  assert re.search(rf'{algorithm} / fedavg, bound, 3 clients: round time '
-                   r'x[\d.]+, peak RSS x[\d.]+', result.stdout), result.stdout
+  for algorithm in algorithms:
+    assert re.search(rf'^\s*bound\s+{algorithm}\s+3 clients:', result.stdout,
+                     re.MULTILINE), (algorithm, result.stdout)
+    assert re.search(rf'{algorithm} / fedavg, bound, 3 clients: round time '
+                     r'x[\d.]+, peak RSS x[\d.]+', result.stdout), (
+                         algorithm, result.stdout)
 
 
-def test_unknown_algorithm_is_one_clear_error():
-  result = run_binary('benchmarks.rounds', '--sweep_algorithms=fedavg,scafold')
+def test_unknown_algorithm_is_one_clear_error(rounds):
+  result = rounds('--sweep_algorithms=fedavg,scafold')
   assert result.returncode == 2
   assert "error: --sweep_algorithms: 'scafold' is unknown" in (
       result.stdout + result.stderr)
@@ -81,9 +90,9 @@ def test_unknown_algorithm_is_one_clear_error():
     lambda tmp: str(tmp / 'missing'),
     lambda tmp: str((tmp / 'file').write_text('x') and tmp / 'file'),
 ])
-def test_unusable_run_root_is_one_clear_error(tmp_path, make_root):
+def test_unusable_run_root_is_one_clear_error(rounds, tmp_path, make_root):
   root = make_root(tmp_path)
-  result = run_binary('benchmarks.rounds', '--quick', f'--run_root={root}')
+  result = rounds('--quick', f'--run_root={root}')
   assert result.returncode == 2
   assert result.stderr.strip() == (
       f'error: --run_root={root} is not a writable directory'), result.stderr
@@ -100,6 +109,10 @@ def test_state_files_times_first_visits_and_revisits(state, megabytes):
   for case in ('first visits', 'revisits'):
     assert re.search(rf'^  {case} +[0-9.]+ s/round', result.stdout,
                      re.MULTILINE), result.stdout
+
+
+def test_state_files_bad_clients_per_round_is_one_clear_error():
+  # Once, not once per --state above: the same command either way.
   bad = run_binary('benchmarks.state_files', '--clients_per_round=0')
   assert bad.returncode == 2
   assert 'error: --clients_per_round must be >= 1, got 0' in bad.stderr
@@ -120,10 +133,10 @@ def test_weight_passes_times_each_op_over_the_model():
 
 
 
-def test_central_mode_times_mixed_fl_central_work_alone():
-  result = run_binary('benchmarks.rounds', '--quick', '--modes=native,central',
-                      '--clients_per_round=3', '--population=6',
-                      '--sweep_clients=3', '--sweep_algorithms=mixed_2wgt')
+def test_central_mode_times_mixed_fl_central_work_alone(rounds):
+  result = rounds('--quick', '--modes=native,central',
+                  '--clients_per_round=3', '--population=6',
+                  '--sweep_clients=3', '--sweep_algorithms=mixed_2wgt')
   assert result.returncode == 0, result.stderr[-3000:]
   assert re.search(r'^\s*central\s+mixed_2wgt\s+3 clients:\s+[\d.]+ s/round',
                    result.stdout, re.MULTILINE), result.stdout

@@ -11,6 +11,7 @@ import psutil
 import pytest
 import tensorflow as tf
 
+import fault_testlib
 from fault_testlib import tree_digest
 
 
@@ -62,6 +63,12 @@ def assert_one_error_line(result, *fragments):
   for fragment in fragments:
     assert fragment in error_lines[0], error_lines[0]
   assert not orphan_workers()
+
+
+# binaries.train imported once, for the runs that stop at a usage error
+# (each still a process of its own: exit status, stderr, TFF workers). The
+# runs that train start `python -m binaries.train` as a user does.
+train_with_an_error = fault_testlib.preloaded_runs('binaries.train')
 
 
 @pytest.fixture(scope='module')
@@ -132,37 +139,37 @@ def test_evaluate_and_export_binaries(runs, tmp_path):
   assert not orphan_workers()
 
 
-def test_unknown_algorithm_and_task(tmp_path):
-  result = run_binary('binaries.train', '--task=celeba_smile',
-                      '--algorithm=fedmagic', '--experiment_name=x',
-                      f'--root_output_dir={tmp_path}')
+def test_unknown_algorithm_and_task(train_with_an_error, tmp_path):
+  result = train_with_an_error('--task=celeba_smile', '--algorithm=fedmagic',
+                               '--experiment_name=x',
+                               f'--root_output_dir={tmp_path}')
   assert_one_error_line(result, '--algorithm', 'fedmagic', 'fedavg')
   assert not os.listdir(tmp_path)
 
 
-def test_bad_values_leave_existing_run_untouched(runs):
+def test_bad_values_leave_existing_run_untouched(train_with_an_error, runs):
   root, _ = runs
   before = tree_digest(os.path.join(root, 'e'))
-  too_many = run_binary('binaries.train', *TRAIN_FLAGS,
-                        '--clients_per_round=10000', '--total_rounds=6',
-                        '--experiment_name=e', f'--root_output_dir={root}')
+  too_many = train_with_an_error(
+      *TRAIN_FLAGS, '--clients_per_round=10000', '--total_rounds=6',
+      '--experiment_name=e', f'--root_output_dir={root}')
   assert_one_error_line(too_many, '--clients_per_round=10000', '60')
-  negative = run_binary('binaries.train', *TRAIN_FLAGS, '--total_rounds=6',
-                        '--client_learning_rate=-1', '--experiment_name=e',
-                        f'--root_output_dir={root}')
+  negative = train_with_an_error(
+      *TRAIN_FLAGS, '--total_rounds=6', '--client_learning_rate=-1',
+      '--experiment_name=e', f'--root_output_dir={root}')
   assert_one_error_line(negative, 'client_optimizer', '> 0')
   assert tree_digest(os.path.join(root, 'e')) == before
 
 
-def test_missing_cache_dir(tmp_path):
-  result = run_binary('binaries.train', '--task=celeba_smile',
-                      '--algorithm=fedavg', '--experiment_name=x',
-                      f'--cache_dir={tmp_path / "nowhere"}',
-                      f'--root_output_dir={tmp_path}')
+def test_missing_cache_dir(train_with_an_error, tmp_path):
+  result = train_with_an_error('--task=celeba_smile', '--algorithm=fedavg',
+                               '--experiment_name=x',
+                               f'--cache_dir={tmp_path / "nowhere"}',
+                               f'--root_output_dir={tmp_path}')
   assert_one_error_line(result, '--cache_dir', 'nowhere')
 
 
-def test_truncated_checkpoint(runs, tmp_path):
+def test_truncated_checkpoint(train_with_an_error, runs, tmp_path):
   root, _ = runs
   run_dir = tmp_path / 'copy'
   subprocess.run(['cp', '-r', os.path.join(root, 'straight'), str(run_dir)],
@@ -171,8 +178,9 @@ def test_truncated_checkpoint(runs, tmp_path):
   data = next(p for p in variables.iterdir() if 'data' in p.name)
   data.write_bytes(data.read_bytes()[:100])
   before = tree_digest(run_dir)
-  result = run_binary('binaries.train', *TRAIN_FLAGS, '--total_rounds=6',
-                      '--experiment_name=copy', f'--root_output_dir={tmp_path}')
+  result = train_with_an_error(*TRAIN_FLAGS, '--total_rounds=6',
+                               '--experiment_name=copy',
+                               f'--root_output_dir={tmp_path}')
   assert_one_error_line(result, 'checkpoint', 'round_5', 'corrupted')
   assert tree_digest(run_dir) == before
 

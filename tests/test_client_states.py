@@ -10,6 +10,7 @@ uninterrupted run's exactly.
 
 import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import tensorflow as tf
 
 from pipeline import export as export_lib
 from tff_algos.runtime import client_states
+import fault_testlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,14 +154,21 @@ TRAIN = ['--task=digits', '--algorithm=scaffold', '--num_clients=40',
          '--rounds_per_eval=3', '--runtime=native', '--seed=4']
 
 
+def _args(root, name):
+  return [f'--root_output_dir={root}', f'--experiment_name={name}', *TRAIN]
+
+
 def _command(root, name):
-  return [sys.executable, '-m', 'binaries.train', f'--root_output_dir={root}',
-          f'--experiment_name={name}', *TRAIN]
+  return [sys.executable, '-m', 'binaries.train', *_args(root, name)]
 
 
-def _train(root, name):
-  done = subprocess.run(_command(root, name), cwd=ROOT, capture_output=True,
-                        text=True, timeout=900)
+# The runs that are not killed: each a process of its own, forked from a
+# server that imported binaries.train once (see preloaded_binary).
+train_binary = fault_testlib.preloaded_runs('binaries.train')
+
+
+def _train(train_binary, root, name):
+  done = train_binary(*_args(root, name))
   assert done.returncode == 0, done.stderr[-3000:]
   return done
 
@@ -173,10 +182,22 @@ def _results(run_dir):
 
 
 @pytest.fixture(scope='module')
-def uninterrupted(tmp_path_factory):
+def uninterrupted_run(train_binary, tmp_path_factory):
+  """The directory of one uninterrupted run of TRAIN (never modified)."""
   root = tmp_path_factory.mktemp('uninterrupted')
-  _train(root, 'run')
-  return _results(root / 'run')
+  _train(train_binary, root, 'run')
+  return root / 'run'
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(uninterrupted_run):
+  return _results(uninterrupted_run)
+
+
+def _copy_of_finished_run(uninterrupted_run, root):
+  """What training TRAIN in `root` leaves (the same command, deterministic),
+  without running it again: a copy of the uninterrupted run."""
+  shutil.copytree(uninterrupted_run, root / 'run', symlinks=True)
 
 
 def _kill_while_writing_a_round(root, name):
@@ -207,7 +228,8 @@ def _kill_while_writing_a_round(root, name):
 
 @pytest.mark.parametrize('damage', [False, True],
                          ids=['killed', 'killed_half_written'])
-def test_killed_mid_round_resumes_exactly(tmp_path, uninterrupted, damage):
+def test_killed_mid_round_resumes_exactly(train_binary, tmp_path,
+                                          uninterrupted, damage):
   round_num = _kill_while_writing_a_round(tmp_path, 'run')
   round_dir = tmp_path / 'run' / 'client_states' / f'round_{round_num}'
   files = sorted(round_dir.iterdir())
@@ -215,7 +237,7 @@ def test_killed_mid_round_resumes_exactly(tmp_path, uninterrupted, damage):
   if damage:
     with open(files[0], 'r+b') as f:
       f.truncate(os.path.getsize(files[0]) // 2)
-  done = _train(tmp_path, 'run')
+  done = _train(train_binary, tmp_path, 'run')
   assert 'uncommitted' in done.stderr  # The resume says what it removed.
   rows, weights = _results(tmp_path / 'run')
   expected_rows, expected_weights = uninterrupted
@@ -224,16 +246,21 @@ def test_killed_mid_round_resumes_exactly(tmp_path, uninterrupted, damage):
     np.testing.assert_array_equal(got, want)
 
 
-def test_resume_from_an_older_checkpoint_is_exact(tmp_path, uninterrupted):
+def test_resume_from_an_older_checkpoint_is_exact(train_binary, tmp_path,
+                                                  uninterrupted,
+                                                  uninterrupted_run):
   # As the error message for a damaged checkpoint advises: delete the newest
   # checkpoint and resume from the one before it.
-  _train(tmp_path, 'run')
+  _copy_of_finished_run(uninterrupted_run, tmp_path)
   checkpoints = tmp_path / 'run' / 'checkpoints'
+  assert (checkpoints / f'round_{ROUNDS}').is_dir()
   for name in os.listdir(checkpoints):
     if name == f'round_{ROUNDS}':
       subprocess.run(['rm', '-r', str(checkpoints / name)], check=True)
-  done = _train(tmp_path, 'run')
+  done = _train(train_binary, tmp_path, 'run')
   assert done.returncode == 0
+  # The resume ran the last rounds again (it wrote their checkpoint).
+  assert (checkpoints / f'round_{ROUNDS}').is_dir()
   rows, weights = _results(tmp_path / 'run')
   expected_rows, expected_weights = uninterrupted
   assert rows == expected_rows
@@ -241,16 +268,15 @@ def test_resume_from_an_older_checkpoint_is_exact(tmp_path, uninterrupted):
     np.testing.assert_array_equal(got, want)
 
 
-def test_missing_or_overwritten_client_states_are_one_clear_error(tmp_path):
-  _train(tmp_path, 'run')
+def test_missing_or_overwritten_client_states_are_one_clear_error(
+    train_binary, tmp_path, uninterrupted_run):
+  _copy_of_finished_run(uninterrupted_run, tmp_path)
   metrics_before = (tmp_path / 'run' / 'metrics.csv').read_bytes()
-  command = _command(tmp_path, 'run')
-  command[command.index(f'--total_rounds={ROUNDS}')] = (
-      f'--total_rounds={ROUNDS + 1}')
+  args = _args(tmp_path, 'run')
+  args[args.index(f'--total_rounds={ROUNDS}')] = f'--total_rounds={ROUNDS + 1}'
 
   def resume_fails(damaged: str):
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    done = train_binary(*args)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [l for l in done.stderr.splitlines() if l.startswith('error:')]
     assert len(errors) == 1 and 'missing or damaged' in errors[0], errors

@@ -9,6 +9,7 @@ import pytest
 from absl import flags
 
 from binaries import flags_lib
+import fault_testlib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -63,6 +64,11 @@ def _run(*args):
                         capture_output=True, text=True, timeout=600)
 
 
+# binaries.train imported once for its usage errors (each run still a
+# process of its own; see preloaded_binary).
+train_binary = fault_testlib.preloaded_runs('binaries.train')
+
+
 def _write_run(run_dir, aucs):
   os.makedirs(run_dir)
   with open(os.path.join(run_dir, 'metrics.csv'), 'w', newline='') as f:
@@ -95,11 +101,11 @@ def test_plot_rejects_an_unknown_metric(tmp_path):
   assert not output.exists()
 
 
-def test_train_explains_that_pt_needs_k(tmp_path):
-  result = _run('binaries.train', '--task=celeba_smile',
-                '--algorithm=mixed_pt', '--use_synthetic_data',
-                '--client_epochs=1', '--experiment_name=no_k',
-                f'--root_output_dir={tmp_path}')
+def test_train_explains_that_pt_needs_k(train_binary, tmp_path):
+  result = train_binary('--task=celeba_smile', '--algorithm=mixed_pt',
+                        '--use_synthetic_data', '--client_epochs=1',
+                        '--experiment_name=no_k',
+                        f'--root_output_dir={tmp_path}')
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (
       'error: --algorithm=mixed_pt needs --client_steps (K): its central '
@@ -111,12 +117,11 @@ def test_train_explains_that_pt_needs_k(tmp_path):
     (['--client_optimizer=adam'], '--client_optimizer=adam'),
     (['--client_optimizer=sgdm', '--central_optimizer=adam'],
      '--client_optimizer=sgdm, --central_optimizer=adam')])
-def test_two_way_gt_rejects_optimizers_other_than_plain_sgd(tmp_path, flags,
-                                                            rejected):
-  result = _run('binaries.train', '--task=celeba_smile',
-                '--algorithm=mixed_2wgt', '--use_synthetic_data',
-                '--experiment_name=adam', f'--root_output_dir={tmp_path}',
-                *flags)
+def test_two_way_gt_rejects_optimizers_other_than_plain_sgd(
+    train_binary, tmp_path, flags, rejected):
+  result = train_binary('--task=celeba_smile', '--algorithm=mixed_2wgt',
+                        '--use_synthetic_data', '--experiment_name=adam',
+                        f'--root_output_dir={tmp_path}', *flags)
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
       'error: --algorithm=mixed_2wgt needs plain SGD as --client_optimizer '
