@@ -90,7 +90,8 @@ class RoundProcess:
   """
   initialize_computation: tff.Computation
   # (state, <round_num, server_seed>) -> central result; None without
-  # central work.
+  # central work. Run before `next` when the broadcast needs it (1-w GT),
+  # else only in the split form (in `next` otherwise).
   central_computation: Optional[tff.Computation]
   # (state, groups, round) -> (state, metrics).
   next_computation: tff.Computation
@@ -103,7 +104,8 @@ class RoundProcess:
   # finish) beside the default one, or None for the default
   # (`pipeline.tff_runtime.server_context`).
   server_context_fn: Optional[Callable[[], Any]] = None
-  # () -> whether to run the split form (`pipeline.tff_runtime.mergeable`).
+  # () -> whether to run the split form (the driver's: whether the context
+  # is TFF's mergeable one, `pipeline.tff_runtime.partitions() > 1`).
   split_fn: Optional[Callable[[], bool]] = None
 
   @property
