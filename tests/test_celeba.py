@@ -115,3 +115,31 @@ def test_missing_cache_dir_is_a_usage_error(tmp_path):
 def test_unknown_mode_is_a_usage_error(cache_dir):
   with pytest.raises(UsageError, match='celeba_mode'):
     celeba.build_task(_config(cache_dir[0], 'sideways'))
+
+
+def test_central_batches_hold_uint8_pixels_and_give_the_same_floats(
+    cache_dir, monkeypatch):
+  directory, _ = cache_dir
+  config = _config(directory, 'mixed')
+  narrowed = _numpy_batches(
+      celeba.build_task(config).server_dataset_computation(5))
+  monkeypatch.setattr(celeba, '_as_uint8_pixels', lambda example: example)
+  wide = _numpy_batches(celeba.build_task(config).server_dataset_computation(5))
+  assert len(narrowed) == len(wide) == 2
+  for (images, labels), (wide_images, wide_labels) in zip(narrowed, wide):
+    np.testing.assert_array_equal(images, wide_images)
+    np.testing.assert_array_equal(labels, wide_labels)
+  # Pixels are k / 255 for integers k, not all 0.
+  assert np.any(np.concatenate([b[0].ravel() for b in narrowed]) > 0)
+
+
+def test_a_pixel_outside_0_255_is_an_error_not_wrapped():
+  example = {'image': tf.constant([[[0, 255, 256]]], tf.int64),
+             'smiling': tf.constant(False)}
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match='pixel outside 0..255'):
+    celeba._as_uint8_pixels(example)  # pylint: disable=protected-access
+  narrowed = celeba._as_uint8_pixels(  # pylint: disable=protected-access
+      {'image': tf.constant([[[0, 17, 255]]], tf.int64)})
+  assert narrowed['image'].dtype == tf.uint8
+  np.testing.assert_array_equal(narrowed['image'], [[[0, 17, 255]]])
