@@ -315,7 +315,25 @@ def _worker_executor_factory(stub_fn):
   return tff.framework.ResourceManagingExecutorFactory(executor_fn)
 
 
-def _native_context(stub_fn, asynchronous: bool):
+def _shared_compiler():
+  """`tff_compiler.compile_for_native_runtime`, once per computation for all
+  the contexts given it (a context caches only its own compilations, and
+  sub-round lanes start at the same time)."""
+  from tff_algos.runtime import tff_compiler  # pylint: disable=g-import-not-at-top
+  compiled = {}
+  lock = threading.Lock()
+
+  def compile_once(computation):
+    with lock:
+      if computation not in compiled:
+        compiled[computation] = tff_compiler.compile_for_native_runtime(
+            computation)
+      return compiled[computation]
+
+  return compile_once
+
+
+def _native_context(stub_fn, asynchronous: bool, compiler_fn=None):
   """A context on one worker, compiled with `tff_compiler` (TFF's own
   compiler, with its graph-optimizer errors avoided)."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -325,7 +343,7 @@ def _native_context(stub_fn, asynchronous: bool):
       tff.framework.AsyncExecutionContext if asynchronous else
       tff.framework.SyncExecutionContext,
       _worker_executor_factory(stub_fn),
-      tff_compiler.compile_for_native_runtime)
+      compiler_fn or tff_compiler.compile_for_native_runtime)
 
 
 def _local_worker(max_concurrent_computation_calls: int = -1,
@@ -392,7 +410,8 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   execution context. `num_workers` > 1 starts that many local C++ workers;
   `worker_addresses` uses already-running workers (`worker_binary --port=N`
   on other hosts); `num_subrounds` > 1 splits each round's clients into that
-  many sub-rounds, run one after another on each worker (0: one per worker).
+  many sub-rounds, run one after another on each worker, the workers at the
+  same time, and merged in their order (0: one per worker).
   In all three cases TFF's mergeable execution context runs each sub-round up
   to the aggregation and merges the aggregates, so a computation must not
   feed one aggregation's result into another (TFF raises a ValueError when
@@ -420,7 +439,7 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   _partitions = (num_subrounds or len(worker_addresses) or num_workers
                  if mergeable else 1)
   if mergeable:
-    tff_internals.fix_mergeable_context_partitioning()
+    tff_internals.fix_mergeable_context()
   if worker_addresses:
     workers = [_remote_worker(a) for a in worker_addresses]
   else:
@@ -428,9 +447,12 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
     workers = [_local_worker(max_concurrent_computation_calls)
                for _ in range(num_workers)]
   if mergeable:
+    compile_once = _shared_compiler()
     tff.backends.native.set_mergeable_comp_execution_context(
-        [_native_context(w, asynchronous=True) for w in workers],
-        num_subrounds=num_subrounds or None)
+        [tff_internals.threaded_async_context(_native_context(
+            w, asynchronous=False, compiler_fn=compile_once))
+         for w in workers],
+        num_subrounds=_partitions)
   else:
     tff.framework.set_default_context(
         _native_context(workers[0], asynchronous=False))

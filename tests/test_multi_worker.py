@@ -25,6 +25,7 @@ from pipeline import tff_runtime
 from pipeline.errors import UsageError
 import scaffold_testlib as lib
 from test_native_runtime import tiny_task
+from tff_algos import tff_internals
 from tff_algos.algorithms import registry
 from tff_algos.algorithms.mixed import definition as mixed
 from tff_algos.algorithms.scaffold import definition as scaffold
@@ -113,6 +114,36 @@ def one_worker_run(task, tmp_path_factory):
   return _train(task, tmp_path_factory.mktemp('one_worker'), 'scaffold')
 
 
+@pytest.fixture(scope='module')
+def two_sub_rounds_run(task, tmp_path_factory):
+  """The one-worker run in 2 sub-rounds, and how many client updates it
+  ran."""
+  tff_runtime.configure_execution(num_subrounds=2)
+  try:
+    root = tmp_path_factory.mktemp('two_sub_rounds')
+    counts = root / 'client_updates'
+    counts.mkdir()
+    run = _train(task, root, 'scaffold', counts)
+    return run, len(os.listdir(counts))
+  finally:
+    tff_runtime.configure_execution()
+
+
+def _assert_identical_runs(expected, actual):
+  (expected_result, expected_states), (result, states) = expected, actual
+  for want, got in zip(_flat(expected_result.server_state),
+                       _flat(result.server_state)):
+    np.testing.assert_array_equal(got, want)
+  assert sorted(states) == sorted(expected_states)
+  for client_id, want in expected_states.items():
+    for w, g in zip(_flat(want), _flat(states[client_id])):
+      np.testing.assert_array_equal(g, w)
+  def values(metrics):
+    return {k: v for k, v in metrics.items() if not k.endswith('_seconds')}
+
+  assert values(result.last_metrics) == values(expected_result.last_metrics)
+
+
 @pytest.fixture
 def restore_default_context():
   workers_before = _worker_pids()
@@ -135,7 +166,8 @@ def test_num_workers_splits_rounds_over_local_workers(
 
 
 def test_two_remote_workers_on_loopback_give_the_one_worker_run(
-    task, one_worker_run, tmp_path, restore_default_context):
+    task, one_worker_run, two_sub_rounds_run, tmp_path,
+    restore_default_context):
   del restore_default_context
   ports = [portpicker.pick_unused_port() for _ in range(2)]
   workers = [subprocess.Popen(
@@ -161,6 +193,9 @@ def test_two_remote_workers_on_loopback_give_the_one_worker_run(
     for worker in workers:
       worker.wait(timeout=30)
   _assert_same_run(one_worker_run, run)
+  # Sub-rounds merge in their order, whichever worker finishes first: the
+  # bits of the same sub-rounds on one worker.
+  _assert_identical_runs(two_sub_rounds_run[0], run)
   time.sleep(0.1)
   assert all(not psutil.pid_exists(w.pid) or
              psutil.Process(w.pid).status() == psutil.STATUS_ZOMBIE
@@ -168,15 +203,50 @@ def test_two_remote_workers_on_loopback_give_the_one_worker_run(
 
 
 def test_sub_rounds_on_one_worker_give_the_one_worker_run(
-    task, one_worker_run, tmp_path, restore_default_context):
+    one_worker_run, two_sub_rounds_run, restore_default_context):
   del restore_default_context
   tff_runtime.configure_execution(num_subrounds=2)
   context = tff.framework.get_context_stack().current
   assert len(context._async_execution_contexts) == 1  # pylint: disable=protected-access
-  counts = tmp_path / 'client_updates'
-  counts.mkdir()
-  _assert_same_run(one_worker_run, _train(task, tmp_path, 'scaffold', counts))
-  assert len(os.listdir(counts)) == ROUNDS * lib.CLIENTS_PER_ROUND
+  run, client_updates = two_sub_rounds_run
+  _assert_same_run(one_worker_run, run)
+  assert client_updates == ROUNDS * lib.CLIENTS_PER_ROUND
+
+
+class _DelayedContext:
+  """A sync context whose calls start `seconds` late."""
+
+  def __init__(self, context, seconds):
+    self._context, self._seconds = context, seconds
+
+  def invoke(self, comp, arg):
+    time.sleep(self._seconds)
+    return self._context.invoke(comp, arg)
+
+
+def test_sub_rounds_merge_in_their_order_not_as_they_finish(
+    restore_default_context):
+  # One client per sub-round; float32 sums whose value depends on the order:
+  # (1e8 + 1) - 1e8 = 0 in sub-round order, (-1e8 + 1e8) + 1 = 1 in the
+  # order these finish (sub-round 2 first, then 0, then 1).
+  del restore_default_context
+  tff_runtime.configure_execution(num_subrounds=3)  # Installs the fixes.
+  worker = tff_runtime._local_worker()  # pylint: disable=protected-access
+  lanes = [tff_internals.threaded_async_context(_DelayedContext(
+      tff_runtime._native_context(worker, asynchronous=False), seconds))  # pylint: disable=protected-access
+           for seconds in (0.5, 1.5, 0.0)]
+  context = tff.backends.native.create_mergeable_comp_execution_context(
+      lanes, num_subrounds=3)
+
+  @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+  def total(values):
+    return tff.federated_sum(values)
+
+  try:
+    with tff.framework.get_context_stack().install(context):
+      assert total([1e8, 1.0, -1e8]) == 0.0
+  finally:
+    tff_runtime.shutdown_workers()  # This test's worker, too.
 
 
 def test_central_update_runs_once_per_round_with_sub_rounds(
