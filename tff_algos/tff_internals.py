@@ -35,6 +35,7 @@ an upgrade fails here, loudly, rather than somewhere inside a round.
 import asyncio
 import gc
 import subprocess
+import threading
 
 import tensorflow_federated as tff
 
@@ -295,13 +296,38 @@ def fix_mergeable_context() -> None:
 
 
 class _ThreadedContext(context_base.AsyncContext):
-  """An async context whose calls each run in a thread: a sync context's."""
+  """An async context whose every call runs in a new daemon thread: a sync
+  context's. (Not an executor's pool: its threads are joined at exit, so an
+  interrupted run would wait for the running sub-round; and the event loop's
+  shared pool has few threads, which would cap how many workers run at
+  once.)"""
 
   def __init__(self, sync_context):
     self._sync_context = sync_context
 
   async def invoke(self, comp, arg):
-    return await asyncio.to_thread(self._sync_context.invoke, comp, arg)
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(result, error):
+      if not done.cancelled():
+        if error is None:
+          done.set_result(result)
+        else:
+          done.set_exception(error)
+
+    def call():
+      try:
+        result, error = self._sync_context.invoke(comp, arg), None
+      except BaseException as e:  # pylint: disable=broad-except
+        result, error = None, e
+      try:
+        loop.call_soon_threadsafe(settle, result, error)
+      except RuntimeError:  # The loop is closed: nobody waits any more.
+        pass
+
+    threading.Thread(target=call, name='tff-worker-call', daemon=True).start()
+    return await done
 
 
 def threaded_async_context(sync_context) -> context_base.AsyncContext:
