@@ -291,6 +291,11 @@ class ClientStateKeeper:
     client_states.recover(self.format.directory, round_num)
     require_state_files(self.format, self.index, round_num)
     self._kept = {round_num: self.index.versions.copy()}
+    if versions is not None:
+      # A run killed after writing a checkpoint but before deleting the files
+      # only the checkpoints it dropped named (after its last round, nothing
+      # else would) left them behind.
+      self.checkpointed(round_num)
 
   def commit(self, indices, round_num: int) -> None:
     """The clients at `indices` now have round `round_num`'s states.

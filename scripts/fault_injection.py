@@ -16,6 +16,7 @@ a killed run.
 
   .venv/bin/python scripts/fault_injection.py --trials=3 [--kills=3]
       [--algorithms=scaffold,fedres_avg,mixed_2wgt] [--work_dir=DIR] [--seed=0]
+      [--train_flags="--num_workers=2"]
 
 Prints one line per algorithm: `<algorithm>: K/N resumed bit-identically`.
 Exit status 0 when all did.
@@ -258,6 +259,9 @@ def main() -> int:
                       'removed at the end)')
   parser.add_argument('--seed', type=int, default=0,
                       help='seed of the kill moments')
+  parser.add_argument('--train_flags', default='',
+                      help='more flags for every run, space-separated (e.g. '
+                      '"--num_workers=2")')
   args = parser.parse_args()
   rng = random.Random(args.seed)
   work_dir = args.work_dir or tempfile.mkdtemp(prefix='fault_injection_')
@@ -269,7 +273,7 @@ def main() -> int:
   all_identical = True
   try:
     for algorithm in args.algorithms.split(','):
-      flags = CONFIGS[algorithm]
+      flags = CONFIGS[algorithm] + args.train_flags.split()
       root = os.path.join(work_dir, algorithm)
       reference = os.path.join(root, 'reference')
       run_to_completion(train_command(flags, reference), env)

@@ -7,6 +7,7 @@ per round, client states in the run's client-state files.
 import csv
 import dataclasses
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -201,6 +202,33 @@ def test_client_states_of_dropped_checkpoints_are_deleted_and_resume(
   for a, b in zip(resumed.model_weights.trainable,
                   straight.model_weights.trainable):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_rerun_deletes_states_a_kill_after_the_last_checkpoint_left(
+    tmp_path, task, algorithm):
+  # Killed after writing its last checkpoint, before deleting the states
+  # only the dropped checkpoints named: the rerun (nothing left to train)
+  # deletes them; the states the kept checkpoints name stay.
+  config = dataclasses.replace(_run_config(tmp_path, 4, export=False),
+                               checkpoints_to_keep=2)
+  driver.train(algorithm, task, config)
+  state_dir = os.path.join(tmp_path, 'run', driver.CLIENT_STATE_DIR)
+
+  def stored():
+    return {os.path.join(round_dir, name)
+            for round_dir in os.listdir(state_dir)
+            for name in os.listdir(os.path.join(state_dir, round_dir))}
+
+  kept = stored()
+  some_state = os.path.join(state_dir, sorted(kept)[0])
+  left_behind = [os.path.join('round_1', client_states.file_name(c))
+                 for c in task.train_client_ids[:2]]
+  os.makedirs(os.path.join(state_dir, 'round_1'), exist_ok=True)
+  for name in left_behind:
+    assert name not in kept
+    shutil.copy(some_state, os.path.join(state_dir, name))
+  driver.train(algorithm, task, config)
+  assert stored() == kept
 
 
 @pytest.mark.parametrize('changes, name, message', [
