@@ -317,8 +317,8 @@ def _worker_executor_factory(stub_fn):
 
 def _shared_compiler():
   """`tff_compiler.compile_for_native_runtime`, once per computation for all
-  the contexts given it (a context caches only its own compilations, and
-  sub-round lanes start at the same time)."""
+  the contexts given it (a context caches only its own compilations, and the
+  workers' contexts start their sub-rounds at the same time)."""
   from tff_algos.runtime import tff_compiler  # pylint: disable=g-import-not-at-top
   compiled = {}
   lock = threading.Lock()

@@ -115,6 +115,13 @@ class RoundProcess:
         self.next_computation, self.clients_computation,
         self.finish_computation) if c is not None)
 
+  @property
+  def broadcast_needs_central(self) -> bool:
+    """Whether `central` runs before `next`, its result an argument (1-w GT);
+    central work alongside the clients comes with the split form."""
+    return (self.central_computation is not None and
+            self.clients_computation is None)
+
   def initialize(self):
     return self.initialize_computation()
 
@@ -125,8 +132,7 @@ class RoundProcess:
     split = (self.finish_computation is not None and
              self.split_fn is not None and self.split_fn())
     if not split:
-      if self.central_computation is not None and (
-          self.clients_computation is None):  # The broadcast needs it.
+      if self.broadcast_needs_central:
         round_info['central'] = on_server(self.central_computation, state,
                                           round_info)
       return self.next_computation(state, groups, round_info)
