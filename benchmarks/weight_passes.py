@@ -9,24 +9,31 @@ pools), the ops a stateful client adds to FedAvg's: an elementwise
 difference (c_i - c, the new c_i, its delta and the delta's sum), a scaling,
 a fused in-place SGD step (each corrected step's second update), and the
 state store's concatenation, serialization and parsing. It prints each op's
-machine time per client-sized op and the memory traffic that implies.
+machine time per client-sized op and the memory traffic that implies. Last,
+SCAFFOLD's finish (the new c_i and its delta: a scaling and two differences)
+as TF ops and as one XLA-compiled function (`jit_compile=True`), which fuses
+them into one loop per variable: whether fewer kernels would save time.
 
   .venv/bin/python -m benchmarks.weight_passes [--repeats=200]
 """
 
 import collections
 import math
+import re
 import time
 
 from absl import flags
 
 from binaries import app  # First: imports TensorFlow quietly.
 from benchmarks import state_files
+from pipeline import tf_logs
 from pipeline.errors import UsageError
 
 _REPEATS = flags.DEFINE_integer('repeats', 200, 'Ops timed per case.')
 _TRIALS = flags.DEFINE_integer('trials', 5, 'Timed trials per case (median).')
 
+
+_XLA_CPU_NOISE = re.compile('SetPriority unimplemented for this stream')
 
 # Distinct buffers, cycled: together larger than the last-level cache, as a
 # client's weights, gradients, control variates and deltas are.
@@ -48,6 +55,21 @@ def _cases(tf, shapes):
   blob = [tf.io.serialize_tensor(x) for x in flat]
   variables = [[tf.Variable(t) for t in x] for x in a]
   zeros = [tf.zeros(shape) for shape in shapes]  # Keeps the weights as they are.
+  c = [model_sized() for _ in range(_POOL)]
+  steps_times_lr = tf.constant(0.006)
+
+  def new_control_variate(client_minus_server, delta, client_cv, scale):
+    # SCAFFOLD Option II's finish: c_i+ = (c_i - c) - d / (K eta) and its
+    # delta c_i+ - c_i, as scaffold/math.py writes it.
+    new = [cmc - d / scale for cmc, d in zip(client_minus_server, delta)]
+    return new, [n - o for n, o in zip(new, client_cv)]
+
+  finish_ops = tf.function(new_control_variate)
+  # XLA fuses the three elementwise passes into one loop per variable.
+  finish_fused = tf.function(new_control_variate, jit_compile=True)
+  # XLA's first compile on a CPU logs an error line that is not one.
+  with tf_logs.stderr_without(_XLA_CPU_NOISE):
+    finish_fused(a[0], b[0], c[0], steps_times_lr)
   cases = {
       'difference a - b': (
           lambda i: [x - y for x, y in zip(a[i], b[i])], 3 * size),
@@ -64,6 +86,12 @@ def _cases(tf, shapes):
           lambda i: [tf.io.serialize_tensor(flat[i])], None),
       'parse_tensor (state read)': (
           lambda i: [tf.io.parse_tensor(blob[i], tf.float32)], None),
+      'new c_i + delta (TF ops)': (
+          lambda i: tf.nest.flatten(
+              finish_ops(a[i], b[i], c[i], steps_times_lr)), None),
+      'new c_i + delta (XLA-fused)': (
+          lambda i: tf.nest.flatten(
+              finish_fused(a[i], b[i], c[i], steps_times_lr)), None),
   }
   return cases, size
 

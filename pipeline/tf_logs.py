@@ -71,9 +71,9 @@ def quiet_tensorflow_import(argv: Optional[Sequence[str]] = None) -> bool:
 
 
 @contextlib.contextmanager
-def _stderr_without_import_noise():
+def stderr_without(noise: re.Pattern):
   """Captures file descriptor 2 (C++ and Python writes alike); on exit
-  writes the captured lines, less IMPORT_NOISE, to stderr."""
+  writes the captured lines, less those `noise` matches, to stderr."""
   sys.stderr.flush()
   saved_fd = os.dup(2)
   with tempfile.TemporaryFile() as captured:
@@ -87,7 +87,7 @@ def _stderr_without_import_noise():
       captured.seek(0)
       text = captured.read().decode('utf-8', errors='replace')
       kept = [line for line in text.splitlines(keepends=True)
-              if not IMPORT_NOISE.search(line)]
+              if not noise.search(line)]
       if kept:
         sys.stderr.write(''.join(kept))
         sys.stderr.flush()
@@ -106,7 +106,7 @@ class _QuietLoader(importlib.abc.Loader):
     # The module keeps the real loader (what introspection expects).
     module.__loader__ = self._loader
     module.__spec__.loader = self._loader
-    with _stderr_without_import_noise():
+    with stderr_without(IMPORT_NOISE):
       self._loader.exec_module(module)
 
 

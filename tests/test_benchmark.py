@@ -124,7 +124,8 @@ def test_weight_passes_times_each_op_over_the_model():
   assert 'one op over the benchmark model (5.4 MB)' in result.stdout
   for op in ('difference a - b', 'scaling a / s', 'in-place SGD step',
              'concat (state write)', 'serialize_tensor (state write)',
-             'parse_tensor (state read)'):
+             'parse_tensor (state read)', 'new c_i + delta (TF ops)',
+             'new c_i + delta (XLA-fused)'):
     assert re.search(rf'^  {re.escape(op)} +[0-9.]+ ms', result.stdout,
                      re.MULTILINE), result.stdout
   bad = run_binary('benchmarks.weight_passes', '--repeats=0')
