@@ -91,8 +91,7 @@ def _new_unit(path: str, node: ast.AST) -> str:
     return SETTINGS
   if path.endswith('baselines/definition.py') and isinstance(
       node, ast.FunctionDef) and node.name in ('model_delta_work',
-                                               'fed_sgd_work',
-                                               '_reset_metrics'):
+                                               'fed_sgd_work'):
     return CLIENT_MATH
   return ''
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_algos.algorithms.baselines import definition
+from tff_algos.algorithms import non_finite
 
 BIG = np.float32(3e38)
 
@@ -28,7 +28,7 @@ BIG = np.float32(3e38)
 def test_zeroes_exactly_when_a_value_is_not_finite(values, expect_zeroed):
   assert expect_zeroed == (not all(np.all(np.isfinite(v)) for v in values))
   for run in (lambda f, x: f(x), lambda f, x: tf.function(f)(x)):
-    result, flag = run(definition.zero_all_if_any_non_finite,
+    result, flag = run(non_finite.zero_all_if_any_non_finite,
                        [tf.constant(v) for v in values])
     assert int(flag) == int(expect_zeroed)
     for got, value in zip(result, values):
@@ -37,5 +37,5 @@ def test_zeroes_exactly_when_a_value_is_not_finite(values, expect_zeroed):
 
 
 def test_empty_structure_is_kept():
-  result, flag = definition.zero_all_if_any_non_finite([])
+  result, flag = non_finite.zero_all_if_any_non_finite([])
   assert result == [] and int(flag) == 0

@@ -13,13 +13,12 @@ Server state: <global_model_weights, server_optimizer_state>.
 
 import collections
 import dataclasses
-import functools
 
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algos import tff_internals
 from tff_algos.algorithms import keras_model
+from tff_algos.algorithms import non_finite as non_finite_lib
 from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms import settings as settings_lib
 
@@ -69,7 +68,7 @@ def _definition(name: str, model_fn: keras_model.ModelFn, settings,
   def server_update(state, aggregates, central):
     del central
     weights = state['global_model_weights']
-    optimizer_state, trainable, measurements = _apply_optimizer(
+    optimizer_state, trainable, measurements = non_finite_lib.apply_optimizer(
         server_optimizer, state['server_optimizer_state'],
         tuple(weights.trainable), tuple(aggregates['model_update']))
     new_state = collections.OrderedDict(
@@ -127,7 +126,7 @@ def model_delta_work(client_optimizer: tff.learning.optimizers.Optimizer,
   def finish(model, message, client_state, carry):
     del client_state
     trainable = ModelWeights.from_model(model).trainable
-    update, non_finite = zero_all_if_any_non_finite(
+    update, non_finite = non_finite_lib.zero_all_if_any_non_finite(
         tf.nest.map_structure(tf.subtract,
                               message['global_model_weights'].trainable,
                               trainable))
@@ -136,47 +135,12 @@ def model_delta_work(client_optimizer: tff.learning.optimizers.Optimizer,
         lambda: (tf.cast(carry['num_examples'], tf.float32)
                  if weighting == tff.learning.ClientWeighting.NUM_EXAMPLES
                  else tf.constant(1.0)))
-    # A client whose update is dropped reports no metrics either (the runtime
-    # orders this before the read below, as the program order).
-    tf.cond(non_finite > 0, lambda: _reset_metrics(model),
-            lambda: tf.constant(False))
+    non_finite_lib.reset_metrics_if(non_finite, model)
     return round_lib.ClientResult(
         model_update=list(update), weight=weight, sums={},
         metrics=model.report_local_unfinalized_metrics())
 
   return round_lib.ClientWork(start=start, steps=(step,), finish=finish)
-
-
-def zero_all_if_any_non_finite(structure):
-  """(structure, 0), or (zeros like it, 1) if any value is not finite.
-
-  What tff.learning's client updates apply (its `tensor_utils` function of
-  the same name), with one read of each tensor in the common case: a sum
-  with an inf or NaN term is not finite, so when every tensor's sum is
-  finite so is every value. Only a non-finite sum (a non-finite value, or
-  finite values whose sum overflows) takes tff.learning's elementwise test,
-  which writes a mask as large as the update.
-  """
-  flat = tf.nest.flatten(structure)
-  if not flat:
-    return structure, tf.constant(0)
-
-  def all_true(flags):
-    return functools.reduce(tf.logical_and, flags)
-
-  all_finite = tf.cond(
-      all_true([tf.math.is_finite(tf.reduce_sum(t)) for t in flat]),
-      lambda: tf.constant(True),
-      lambda: all_true([tf.reduce_all(tf.math.is_finite(t)) for t in flat]))
-  return tf.cond(
-      all_finite, lambda: (structure, tf.constant(0)),
-      lambda: (tf.nest.map_structure(tf.zeros_like, structure),
-               tf.constant(1)))
-
-
-def _reset_metrics(model):
-  model.reset_metrics()
-  return tf.constant(True)
 
 
 def fed_sgd_work(info: keras_model.ModelInfo) -> round_lib.ClientWork:
@@ -210,25 +174,13 @@ def fed_sgd_work(info: keras_model.ModelInfo) -> round_lib.ClientWork:
     del message, client_state
     metrics = model.report_local_unfinalized_metrics()
     average = [s / carry['num_examples'] for s in carry['gradient_sums']]
-    average, non_finite = zero_all_if_any_non_finite(average)
+    average, non_finite = non_finite_lib.zero_all_if_any_non_finite(average)
     weight = tf.cond(non_finite > 0, lambda: tf.constant(0.0),
                      lambda: carry['num_examples'])
     return round_lib.ClientResult(model_update=list(average), weight=weight,
                                   sums={}, metrics=metrics)
 
   return round_lib.ClientWork(start=start, steps=(step,), finish=finish)
-
-
-def _apply_optimizer(optimizer, optimizer_state, weights, update):
-  """tff.learning's finalizer: a step with `update` as the gradient, unless
-  it is not finite (then weights and state stay)."""
-  new_state, new_weights = optimizer.next(optimizer_state, weights, update)
-  reject, measurements = tff_internals.reject_non_finite_update(new_state,
-                                                                update)
-  kept_state, kept_weights = tf.cond(
-      reject, lambda: (optimizer_state, weights),
-      lambda: (new_state, new_weights))
-  return kept_state, kept_weights, measurements
 
 
 def fedavg(model_fn: keras_model.ModelFn,

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_algos.algorithms import non_finite
 from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms import sgd_step
 
@@ -124,7 +125,8 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   holds `global_model_weights` (x) and `control_variate` (c); the client
   state `control_variate` (c_i). The result sends y - x (weighted by the
   examples processed, or 1 with `uniform_weighting`), sums c_i+ - c_i, keeps
-  c_i+ as the new state; a client without data leaves y = x and c_i. With
+  c_i+ as the new state; a client without data leaves y = x and c_i, and
+  one whose y - x or c_i+ is not finite is dropped (weight 0, c_i kept). With
   `layer_of_variable`, it also measures ||y - x||^2 per layer and y - x
   (drift diversity).
   """
@@ -223,8 +225,17 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
           lambda: [cmc - d / steps_times_lr for cmc, d in zip(
               carry['client_minus_server'], masked_delta)],
           client_cv)
-    weight = (tf.constant(1.0) if uniform_weighting else
-              tf.cast(carry['num_examples'], tf.float32))
+    # A client whose update or c_i+ is not finite (it diverged) is dropped
+    # as FedAvg drops it (`non_finite`), and keeps its c_i.
+    (model_delta, new_cv), dropped = non_finite.zero_all_if_any_non_finite(
+        (model_delta, new_cv))
+    new_cv = _unless_untrained(tf.equal(dropped, 0), lambda: list(new_cv),
+                              client_cv)
+    weight = tf.cond(
+        dropped > 0, lambda: tf.constant(0.0),
+        lambda: (tf.constant(1.0) if uniform_weighting else
+                 tf.cast(carry['num_examples'], tf.float32)))
+    non_finite.reset_metrics_if(dropped, model)
     measurements = collections.OrderedDict()
     if layer_of_variable is not None:
       measurements['layer_sq_norms'] = layer_squared_norms(model_delta,
@@ -249,9 +260,9 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
 
 def _unless_untrained(trained: tf.Tensor, new_fn, old: Sequence[tf.Tensor]
                       ) -> list[tf.Tensor]:
-  """new_fn()'s tensors if the client trained, else `old` (a client without
-  data keeps c_i). A cond, not a where: a where is one more pass over the
-  weights."""
+  """new_fn()'s tensors if `trained`, else `old` (a client without data, or
+  a dropped one, keeps c_i). A cond, not a where: a where is one more pass
+  over the weights."""
   if not old:
     return []
   return tf.cond(trained, new_fn, lambda: list(old))
@@ -300,11 +311,13 @@ def server_update(server_optimizer: tff.learning.optimizers.Optimizer,
 
   With SGD at eta_s the first is x + eta_s * mean_p(y_i - x). The second is
   [SCAFFOLD] Alg. 1's rule: a uniform mean whatever p weights the model
-  deltas with, so c stays the mean of all N clients' c_i (eq. 21).
+  deltas with, so c stays the mean of all N clients' c_i (eq. 21). A mean
+  that is not finite (0 / 0 when every sampled client has weight 0) leaves x
+  and the optimizer state as they are, as FedAvg's server does.
   Returns (weights, optimizer state, c).
   """
-  optimizer_state, trainable = server_optimizer.next(
-      optimizer_state, tuple(model_weights.trainable),
+  optimizer_state, trainable, _ = non_finite.apply_optimizer(
+      server_optimizer, optimizer_state, tuple(model_weights.trainable),
       tuple(-d for d in mean_model_delta))
   clients = tf.cast(num_clients, tf.float32)
   participation = clients / float(num_train_clients)
