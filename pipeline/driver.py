@@ -240,6 +240,70 @@ def _require_store_directory(directory: str) -> None:
                      'is not writable')
 
 
+# In a client-state store: the run directory (real path) whose store it is.
+STORE_OWNER_FILE = '.owner'
+
+
+def _store_owner(directory: str) -> Optional[str]:
+  marker = os.path.join(directory, STORE_OWNER_FILE)
+  if not os.path.isfile(marker):
+    return None
+  with open(marker, encoding='utf-8', errors='replace') as f:
+    return f.read().strip()
+
+
+def _require_own_store(directory: str, run_dir: str) -> None:
+  """UsageError unless `directory` can be the run's client-state store: a
+  resume deletes the store's rounds after its checkpoint, which in another
+  run's directory would be that run's files. Creates nothing.
+
+  Refused: a directory inside another run directory, one marked as another
+  run's store (`mark_store_directory`), or an unmarked one holding anything
+  but client states. The default store, inside the run directory, is the
+  run's even if the run was moved.
+  """
+  store = os.path.realpath(directory)
+  run = os.path.realpath(run_dir)
+  flag = f'the client-state store {directory} (--client_state_dir)'
+  ancestor = os.path.dirname(store)
+  while True:
+    if ancestor != run and os.path.isfile(
+        os.path.join(ancestor, run_directory.HPARAMS_FILE)):
+      raise UsageError(f'{flag} lies inside the run directory {ancestor}; '
+                       'give each run a store of its own')
+    parent = os.path.dirname(ancestor)
+    if parent == ancestor:
+      break
+    ancestor = parent
+  owner = _store_owner(store)
+  default = store == os.path.join(run, CLIENT_STATE_DIR)
+  if owner is not None and owner != run and not default:
+    raise UsageError(f'{flag} is the store of the run {owner}; give each run '
+                     'a store of its own')
+  if owner is None and os.path.isdir(store):
+    others = [name for name in os.listdir(store)
+              if not (client_states.is_round_directory(name) or
+                      name.startswith(STORE_OWNER_FILE))]
+    if others:
+      raise UsageError(f'{flag} holds files that are not client states '
+                       f'(e.g. {sorted(others)[0]}); give the run an empty '
+                       'or new directory')
+
+
+def mark_store_directory(directory: str, run_dir: str) -> None:
+  """Marks `directory` as the store of the run at `run_dir` (its real path),
+  which `_require_own_store` checks for other runs."""
+  store = os.path.realpath(directory)
+  run = os.path.realpath(run_dir)
+  if _store_owner(store) == run:
+    return
+  os.makedirs(store, exist_ok=True)
+  marker = os.path.join(store, STORE_OWNER_FILE)
+  with open(marker + '.staging', 'w', encoding='utf-8') as f:
+    f.write(run + '\n')
+  os.replace(marker + '.staging', marker)
+
+
 def require_state_files(state_format: client_states.StateFormat,
                         index: client_states.StateIndex,
                         round_num: int) -> None:
@@ -380,6 +444,7 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   config.validate(task.num_train_clients)
   if definition.has_client_state:
     _require_store_directory(config.state_dir)
+    _require_own_store(config.state_dir, config.run_dir)
   with run_directory.RunLock(config.run_dir):
     return _train_locked(definition, task, config, hparams, model_aggregator,
                          round_metrics)
@@ -403,6 +468,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                                       config.allow_flag_changes)
 
   formats = state_format(definition, config.state_dir)
+  if formats:
+    mark_store_directory(config.state_dir, run_dir)
   process = compose_process(definition, task, config.runtime, formats,
                             model_aggregator, config.batched_cohorts)
   num_indexed = task.num_train_clients if formats else 0

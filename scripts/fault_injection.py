@@ -176,6 +176,8 @@ def client_state_files(run_dir: str) -> dict[str, str]:
   found = {}
   for root, _, files in os.walk(directory):
     for name in files:
+      if name == '.owner':  # driver.STORE_OWNER_FILE: names its run.
+        continue
       path = os.path.join(root, name)
       with open(path, 'rb') as f:
         found[os.path.relpath(path, directory)] = hashlib.sha256(

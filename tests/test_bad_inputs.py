@@ -69,6 +69,13 @@ def write(relative, content):
   return setup
 
 
+def in_new_directory(directory, name, content):
+  def setup(p):
+    os.makedirs(os.path.join(p.root, directory))
+    write(os.path.join(directory, name), content)(p)
+  return setup
+
+
 def edit_hparams(**values):
   def setup(p):
     path = os.path.join(p.base, 'hparams.json')
@@ -138,6 +145,34 @@ CASES = [
          lambda p: f'the client-state store {p.root}/file/states '
          f'(--client_state_dir) cannot be made: {p.root}/file is a file, not '
          'a directory', setup=write('file', 'not a directory')),
+    # A resume deletes its store's rounds after the checkpoint: another
+    # run's files must never be taken for them.
+    Case('client_state_dir_in_another_run', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.base}/checkpoints'),
+         lambda p: f'the client-state store {p.base}/checkpoints '
+         '(--client_state_dir) lies inside the run directory '
+         f'{os.path.realpath(p.base)}; give each run a store of its own'),
+    Case('client_state_dir_of_another_run', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.base}/client_states'),
+         lambda p: f'the client-state store {p.base}/client_states '
+         '(--client_state_dir) lies inside the run directory '
+         f'{os.path.realpath(p.base)}; give each run a store of its own'),
+    Case('client_state_dir_marked_for_another_run', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.root}/store'),
+         lambda p: f'the client-state store {p.root}/store '
+         '(--client_state_dir) is the store of the run /elsewhere/run; give '
+         'each run a store of its own',
+         setup=in_new_directory('store', '.owner', '/elsewhere/run\n')),
+    Case('client_state_dir_with_other_files', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.root}/store'),
+         lambda p: f'the client-state store {p.root}/store '
+         '(--client_state_dir) holds files that are not client states (e.g. '
+         'notes.txt); give the run an empty or new directory',
+         setup=in_new_directory('store', 'notes.txt', 'mine')),
     Case('cache_dir_is_a_file', 'train',
          lambda p: ['--task=celeba_smile', '--algorithm=fedavg',
                     '--experiment_name=new', f'--root_output_dir={p.root}',

@@ -14,6 +14,8 @@ workers need it on a path they share):
   round_<r>/<client id, base64url>.state   the state a client had after
                                            round r (a serialized list of
                                            serialized tensors)
+  .owner                                   the run whose store it is (the
+                                           driver's `claim_store_directory`)
 
 Versions are the rounds that wrote them. The driver keeps the *index*: for
 every train client the round of its newest committed state (-1: never
@@ -190,6 +192,11 @@ class ClientStates:
 
   def num_clients(self) -> int:
     return int(np.sum(self._index.versions >= 0))
+
+
+def is_round_directory(name: str) -> bool:
+  """Whether `name`, in a store directory, is one of its round directories."""
+  return _ROUND_DIR.match(name) is not None
 
 
 def _round_directories(directory: str) -> dict[int, str]:
