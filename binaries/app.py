@@ -18,6 +18,7 @@ at the next start of any binary).
 """
 
 import errno
+import logging as logging_lib
 import os
 import re
 import signal
@@ -48,7 +49,7 @@ _RECOVERY = ('fix that and re-run the same command (what was written before '
              'is kept)')
 
 
-def _first_line(text: str) -> str:
+def first_line(text) -> str:
   """The gist of an error text: its first line, without TensorFlow's
   `{{function_node ...}}` prefix and `[Op:...]` suffix."""
   line = ' '.join(str(text).strip().splitlines()[:1])
@@ -71,7 +72,42 @@ def environment_fault_message(error: BaseException) -> Optional[str]:
         type(error).__module__.startswith('tensorflow')):
       text = str(error)
       if any(marker in text for marker in _ENVIRONMENT_MESSAGES):
-        return f'{_first_line(text)}; {_RECOVERY}'
+        return f'{first_line(text)}; {_RECOVERY}'
+    error = error.__cause__ or error.__context__
+  return None
+
+
+class _UnusedAssertionFilter(logging_lib.Filter):
+  """Drops TF's `Object was never used` reports of assertion ops.
+
+  TFF 0.87's secure-sum aggregator (`--aggregator=secure`) builds range
+  assertions it never runs; when they are garbage-collected TF logs each as
+  an ERROR with a stack (216 lines a run), though nothing failed and nothing
+  can be done about it here.
+  """
+
+  def filter(self, record):
+    message = record.getMessage()
+    return not ('Object was never used' in message and
+                'Assert/AssertGuard' in message)
+
+
+# How TF reports a dataset record that is not what the task's parser expects
+# (e.g. a damaged sqlite file of TFF's CelebA or StackOverflow): found while
+# training, in the worker, and passed up through gRPC.
+_UNPARSABLE_DATA = 'Could not parse example input'
+
+
+def bad_data_message(error: BaseException) -> Optional[str]:
+  """The one-line message for a task's data that cannot be parsed, if
+  `error`'s chain (the error, its cause and context) reports it."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if _UNPARSABLE_DATA in str(error):
+      return ('the task\'s data files hold records that cannot be parsed '
+              f'({_UNPARSABLE_DATA}): they are damaged or not the files of '
+              'this task (--cache_dir, --data_dir)')
     error = error.__cause__ or error.__context__
   return None
 
@@ -104,6 +140,7 @@ def run(main, allow_positional_args: bool = False) -> None:
     sys.exit(status)
 
   def guarded_main(argv):
+    logging_lib.getLogger('tensorflow').addFilter(_UnusedAssertionFilter())
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)
       # Only binaries that use TF have imported it; others (plot) stay light.
@@ -117,11 +154,17 @@ def run(main, allow_positional_args: bool = False) -> None:
       return main(argv)
     except UsageError as e:
       fail(str(e), EXIT_USAGE)
+    except (NotADirectoryError, IsADirectoryError) as e:
+      # A path given through a file, or a file path that is a directory.
+      fail(f'{e.filename}: {e.strerror}', EXIT_USAGE)
     except Exception as e:  # pylint: disable=broad-except
       message = environment_fault_message(e)
+      if message is not None:
+        fail(message, EXIT_ENVIRONMENT)
+      message = bad_data_message(e)
       if message is None:
         raise
-      fail(message, EXIT_ENVIRONMENT)
+      fail(message, EXIT_USAGE)
 
   def parse_flags(argv):
     try:

@@ -210,12 +210,36 @@ for _field in _SETTINGS_FIELDS.values():
 # Flags that only some algorithms use; each algorithm accepts its settings'.
 ALGORITHM_FLAGS = tuple(_SETTINGS_FIELDS)
 
-# An infinite or NaN value (learning rate, weight, ...) would train to NaN.
+# Flags whose infinity means something (--clip_norm=inf: no clipping); NaN
+# is still refused, and the aggregator settings check the rest.
+_INFINITY_ALLOWED = ('clip_norm',)
+# Batch sizes beyond int32 overflow TF's shape arithmetic in the worker,
+# which then crashes and restarts forever.
+_BATCH_SIZE_FLAGS = ('client_batch_size', 'eval_batch_size',
+                     'central_batch_size')
+_MAX_BATCH_SIZE = 2**31 - 1
+
 for _flag in flags.FLAGS.get_flags_for_module(__name__):
   if _flag.flag_type() == 'float':
+    # An infinite or NaN value (learning rate, weight, ...) would train to
+    # NaN.
+    if _flag.name in _INFINITY_ALLOWED:
+      flags.register_validator(
+          _flag.name, lambda value: value is None or not math.isnan(value),
+          message='must be a number')
+    else:
+      flags.register_validator(
+          _flag.name, lambda value: value is None or math.isfinite(value),
+          message='must be a finite number')
+  elif _flag.flag_type() == 'int':
+    # TF and NumPy take 64-bit integers (absl any Python int).
     flags.register_validator(
-        _flag.name, lambda value: value is None or math.isfinite(value),
-        message='must be a finite number')
+        _flag.name, lambda value: value is None or -2**63 <= value < 2**63,
+        message='must fit in a 64-bit integer')
+    if _flag.name in _BATCH_SIZE_FLAGS:
+      flags.register_validator(
+          _flag.name, lambda value: value is None or value <= _MAX_BATCH_SIZE,
+          message=f'must be at most {_MAX_BATCH_SIZE}')
 
 FLAGS = flags.FLAGS
 

@@ -33,15 +33,19 @@ def read_curve(run_dir: str, metric: str) -> tuple[list[int], list[float]]:
   if not os.path.isfile(path):
     raise UsageError(f'{path} not found: each argument must be a run '
                      'directory written by binaries.train')
-  with open(path, newline='') as f:
-    reader = csv.DictReader(f)
-    columns = reader.fieldnames or []
-    if metric not in columns:
-      available = ', '.join(c for c in columns if c != ROUND_COLUMN)
-      raise UsageError(f'--metric={metric} is not a column of {path}; '
-                       f'allowed: {available}')
-    points = [(int(row[ROUND_COLUMN]), float(row[metric]))
-              for row in reader if row.get(metric) not in (None, '')]
+  try:
+    with open(path, newline='', encoding='utf-8') as f:
+      reader = csv.DictReader(f)
+      columns = reader.fieldnames or []
+      if metric not in columns:
+        available = ', '.join(c for c in columns if c != ROUND_COLUMN)
+        raise UsageError(f'--metric={metric} is not a column of {path}; '
+                         f'allowed: {available}')
+      points = [(int(row[ROUND_COLUMN]), float(row[metric]))
+                for row in reader if row.get(metric) not in (None, '')]
+  except (UnicodeDecodeError, ValueError, TypeError, csv.Error) as e:
+    raise UsageError(f'{path} is not a metrics file of binaries.train '
+                     f'({type(e).__name__}: {app.first_line(e)})') from e
   if not points:
     raise UsageError(f'{path} has no values of --metric={metric}')
   points.sort()
@@ -69,7 +73,13 @@ def plot(run_dirs: list[str], metric: str, output: str,
   axes.legend()
   figure.tight_layout()
   directory = os.path.dirname(os.path.abspath(output))
-  os.makedirs(directory, exist_ok=True)
+  if os.path.isdir(output):
+    raise UsageError(f'--output={output} is a directory')
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except (FileExistsError, NotADirectoryError) as e:
+    raise UsageError(f'--output={output} cannot be written: {e.filename} '
+                     'is a file, not a directory') from e
   figure.savefig(output, dpi=100)
   plt.close(figure)
 

@@ -52,6 +52,10 @@ def load_run_flags() -> None:
     raise UsageError(f'{path} not found: --experiment_name/--root_output_dir '
                      'must name a run directory made by binaries.train')
   hparams = run_directory.read_hparams(directory)
+  for name in ('task', 'algorithm'):
+    if not isinstance(hparams.get(name), str) and not FLAGS[name].present:
+      raise UsageError(f'{path} names no {name}: it is damaged (binaries.'
+                       'train writes every flag there)')
   known = {f.name for f in FLAGS.get_flags_for_module(flags_lib.__name__)}
   for name, value in hparams.items():
     if name in known and not FLAGS[name].present:

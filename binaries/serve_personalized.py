@@ -31,9 +31,9 @@ def main(argv):
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} does not exist')
   try:
     inputs = np.load(FLAGS.inputs_npy, allow_pickle=False)
-  except ValueError as e:
+  except (ValueError, EOFError) as e:
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} is not a .npy array: '
-                     f'{e}') from e
+                     f'{e or type(e).__name__}') from e
   # Imported here so flag errors do not wait for TensorFlow.
   from tff_algos.algorithms.fedres import export as fedres_export  # pylint: disable=g-import-not-at-top
   server = fedres_export.PersonalizedServer(FLAGS.export_dir)

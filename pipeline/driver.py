@@ -199,6 +199,9 @@ class CheckpointManager:
         keep_first=False)
 
   def rounds(self) -> list[int]:
+    if os.path.exists(self._dir) and not os.path.isdir(self._dir):
+      raise UsageError(f'{self._dir} is a file, not the directory of the '
+                       "run's checkpoints")
     return list(asyncio.run(self._manager.get_versions()) or ())
 
   def latest_round(self) -> Optional[int]:
@@ -211,8 +214,9 @@ class CheckpointManager:
       state = asyncio.run(self._manager.load(round_num, structure))
     except Exception as e:  # pylint: disable=broad-except
       raise UsageError(f'checkpoint {path} is corrupted or incompatible with '
-                       f'these flags ({type(e).__name__}); delete it to '
-                       'resume from an earlier one') from e
+                       f'these flags ({type(e).__name__}); use the flags it '
+                       'was trained with, or delete it to resume from an '
+                       'earlier one') from e
     if int(state['round_num']) != round_num:
       raise UsageError(f'checkpoint {path} holds round {state["round_num"]}')
     return state
@@ -291,11 +295,13 @@ def _require_own_store(directory: str, run_dir: str) -> None:
 
 
 def mark_store_directory(directory: str, run_dir: str) -> None:
-  """Marks `directory` as the store of the run at `run_dir` (its real path),
-  which `_require_own_store` checks for other runs."""
+  """Marks a store outside the run directory (--client_state_dir) as the
+  run's (its real path), which `_require_own_store` checks for other runs.
+  The default store, inside the run directory, holds only its rounds."""
   store = os.path.realpath(directory)
   run = os.path.realpath(run_dir)
-  if _store_owner(store) == run:
+  if (store == os.path.join(run, CLIENT_STATE_DIR) or
+      _store_owner(store) == run):
     return
   os.makedirs(store, exist_ok=True)
   marker = os.path.join(store, STORE_OWNER_FILE)
@@ -351,7 +357,10 @@ class ClientStateKeeper:
 
   def start(self, round_num: int, versions: Optional[np.ndarray]) -> None:
     """Sets the index to checkpoint `round_num`'s (None: a new run)."""
-    self.index = client_states.StateIndex(self._client_ids, versions)
+    try:
+      self.index = client_states.StateIndex(self._client_ids, versions)
+    except ValueError as e:  # Another --num_clients than the run's.
+      raise UsageError(f'{e}; resume with the run\'s clients') from e
     client_states.recover(self.format.directory, round_num)
     require_state_files(self.format, self.index, round_num)
     self._kept = {round_num: self.index.versions.copy()}

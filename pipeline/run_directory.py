@@ -68,6 +68,12 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   if os.path.exists(root_output_dir) and not os.path.isdir(root_output_dir):
     raise UsageError(f'--root_output_dir={root_output_dir} is a file, not a '
                      'directory')
+  existing = os.path.abspath(root_output_dir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise UsageError(f'--root_output_dir={root_output_dir} cannot be made: '
+                     f'{existing} is a file, not a directory')
   return os.path.join(root_output_dir, name)
 
 
@@ -167,6 +173,9 @@ class ResumePlan:
   start_round: Optional[int]
   # hparams.json to write, or None to leave it as it is.
   hparams_to_write: Optional[dict]
+  # Logged once hparams.json records the changes (not before: a later
+  # check may still refuse the resume).
+  note: Optional[str] = None
 
 
 def check_resume(run_dir: str, start_round: Optional[int],
@@ -202,17 +211,21 @@ def check_resume(run_dir: str, start_round: Optional[int],
         f'results: {_describe(changes)}; repeat the run\'s values, use a new '
         '--experiment_name, or pass --allow_flag_changes to continue with '
         'the new ones')
-  logging.warning('%s continues from round %d with changed flags: %s '
-                  '(recorded in %s)', run_dir, start_round,
-                  _describe(changes), HPARAMS_FILE)
-  history = list(stored.get(FLAG_CHANGES_KEY) or [])
+  note = (f'{run_dir} continues from round {start_round} with changed '
+          f'flags: {_describe(changes)} (recorded in {HPARAMS_FILE})')
+  history = stored.get(FLAG_CHANGES_KEY) or []
+  if not isinstance(history, list):
+    raise UsageError(f'{path}: {FLAG_CHANGES_KEY} must be a list of the '
+                     'changes made on earlier resumes, not '
+                     f'{json.dumps(history)}: the file is damaged')
+  history = list(history)
   history.append({'from_round': start_round, 'changes': {
       key: {'run': old, 'now': new} for key, (old, new) in changes.items()}})
   # Neutral values stay the run's; changed ones take this command's.
   updated = {**current, **{k: stored[k] for k in stored.keys() &
                            RESULT_NEUTRAL_KEYS}}
   updated[FLAG_CHANGES_KEY] = history
-  return ResumePlan(start_round, updated)
+  return ResumePlan(start_round, updated, note)
 
 
 def remove_cut_off_writes(run_dir: str) -> None:
@@ -257,3 +270,5 @@ def finish_resume(run_dir: str, plan: ResumePlan) -> None:
                             last_round)
   if plan.hparams_to_write is not None:
     write_hparams(run_dir, plan.hparams_to_write)
+  if plan.note:
+    logging.warning('%s', plan.note)

@@ -21,6 +21,9 @@ RATINGS_FORMATS = {
     ML_1M_RATINGS: ('::', 'UserID::MovieID::Rating::Timestamp'),
     ML_100K_RATINGS: ('\t', 'user<TAB>item<TAB>rating<TAB>timestamp'),
 }
+# MovieLens 25M has 162541 users and 209171 movies; larger ids would size
+# the embedding tables (rows = largest id + 1) beyond any machine.
+MAX_ID = 10_000_000
 
 
 def read_ratings(path: str) -> dict[str, np.ndarray]:
@@ -46,6 +49,11 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
   if not rows:
     raise UsageError(f'{path} has no ratings ({name} format: {layout})')
   table = np.array(rows, np.int64)
+  for column, label in ((0, 'user'), (1, 'movie')):
+    largest = int(table[:, column].max())
+    if largest > MAX_ID:
+      raise UsageError(f'{path} has {label} id {largest}: ids index the '
+                       f'embedding tables, so they must be at most {MAX_ID}')
   return {'user': table[:, 0], 'movie': table[:, 1],
           'rating': table[:, 2].astype(np.float32), 'timestamp': table[:, 3]}
 

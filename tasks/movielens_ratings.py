@@ -68,6 +68,12 @@ def load_genres(movielens_dir: str) -> np.ndarray:
       except (ValueError, IndexError) as e:
         raise UsageError(f'{path}:{line_number} is not in the u.item format '
                          f'(id|title|...|{NUM_GENRES} genre flags)') from e
+  if not rows:
+    raise UsageError(f'{path} lists no movies (u.item format)')
+  for movie in (min(rows), max(rows)):
+    if not 1 <= movie <= movielens_files.MAX_ID:
+      raise UsageError(f'{path} has movie id {movie}: ids must be in '
+                       f'1..{movielens_files.MAX_ID}')
   genres = np.zeros((max(rows) + 1, NUM_GENRES), np.float32)
   for movie, flags in rows.items():
     genres[movie] = flags

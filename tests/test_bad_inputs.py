@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 from typing import Callable, Optional
 
@@ -76,6 +77,13 @@ def in_new_directory(directory, name, content):
   return setup
 
 
+def checkpoints_as_file(p):
+  path = os.path.join(p.base, 'checkpoints')
+  shutil.rmtree(path)
+  with open(path, 'w') as f:
+    f.write('not a directory')
+
+
 def edit_hparams(**values):
   def setup(p):
     path = os.path.join(p.base, 'hparams.json')
@@ -133,6 +141,22 @@ CASES = [
                     f'--root_output_dir={p.root}/file'],
          lambda p: f'--root_output_dir={p.root}/file is a file, not a '
          'directory', setup=write('file', 'not a directory')),
+    Case('root_output_dir_below_a_file', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=new',
+                    f'--root_output_dir={p.root}/file/runs'],
+         lambda p: f'--root_output_dir={p.root}/file/runs cannot be made: '
+         f'{p.root}/file is a file, not a directory',
+         setup=write('file', 'not a directory')),
+    Case('client_steps_beyond_int64', 'train',
+         train_new(f'--client_steps={2**63}'),
+         lambda p: f'flag --client_steps={2**63}: must fit in a 64-bit '
+         'integer'),
+    # The worker's shape arithmetic overflowed: it crashed and restarted
+    # forever.
+    Case('client_batch_size_beyond_int32', 'train',
+         train_new(f'--client_batch_size={2**63 - 1}'),
+         lambda p: f'flag --client_batch_size={2**63 - 1}: must be at most '
+         '2147483647'),
     Case('client_state_dir_is_a_file', 'train',
          train_new('--algorithm=scaffold',
                    lambda p: f'--client_state_dir={p.root}/file'),
@@ -206,6 +230,18 @@ CASES = [
     Case('hparams_a_list', 'evaluate', of_base(),
          lambda p: f'{p.base}/hparams.json must hold a JSON object of flag '
          'values, not a list', setup=write('base/hparams.json', '[1, 2]')),
+    Case('hparams_without_algorithm', 'evaluate', of_base(),
+         lambda p: f'{p.base}/hparams.json names no algorithm: it is damaged '
+         '(binaries.train writes every flag there)',
+         setup=edit_hparams(algorithm=None)),
+    Case('hparams_flag_changes_not_a_list', 'train',
+         resume_base('--allow_flag_changes', '--seed=3'),
+         lambda p: f'{p.base}/hparams.json: flag_changes must be a list of '
+         'the changes made on earlier resumes, not 5: the file is damaged',
+         setup=edit_hparams(flag_changes=5)),
+    Case('checkpoints_a_file', 'evaluate', of_base(),
+         lambda p: f'{p.base}/checkpoints is a file, not the directory of the '
+         "run's checkpoints", setup=checkpoints_as_file),
     Case('hparams_wrong_type', 'export', of_base(),
          lambda p: f'{p.base}/hparams.json: seed=\'abc\' is not a valid '
          "--seed (invalid literal for int() with base 10: 'abc')",

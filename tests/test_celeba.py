@@ -143,3 +143,29 @@ def test_a_pixel_outside_0_255_is_an_error_not_wrapped():
       {'image': tf.constant([[[0, 17, 255]]], tf.int64)})
   assert narrowed['image'].dtype == tf.uint8
   np.testing.assert_array_equal(narrowed['image'], [[[0, 17, 255]]])
+
+
+def test_unparsable_examples_end_training_with_one_error_line(tmp_path):
+  # A celeba.sqlite of the right schema whose examples are not Example
+  # protos: the worker finds it while training, TF's error comes back
+  # through gRPC, and the run ends as bad input, not with a traceback.
+  import sqlite3  # pylint: disable=g-import-not-at-top
+  from tasks import client_database  # pylint: disable=g-import-not-at-top
+  from tests import fault_testlib  # pylint: disable=g-import-not-at-top
+  with sqlite3.connect(tmp_path / 'celeba.sqlite') as connection:
+    client_database.create_sql_client_data_tables(connection)
+    for split in ('split_by_clients_train', 'split_by_clients_test'):
+      for client in ('1', '2'):
+        client_database.insert_client_examples(
+            connection, split, client, [b'not an example proto'] * 3)
+  result = fault_testlib.run_binary(
+      'binaries.train', '--task=celeba_smile', '--algorithm=fedavg',
+      '--celeba_mode=federated', f'--cache_dir={tmp_path}',
+      '--total_rounds=1', '--clients_per_round=2', '--client_steps=1',
+      '--experiment_name=bad', f'--root_output_dir={tmp_path / "runs"}')
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: the task's data files hold records that cannot be parsed "
+      '(Could not parse example input): they are damaged or not the files '
+      'of this task (--cache_dir, --data_dir)')

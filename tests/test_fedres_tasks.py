@@ -45,6 +45,18 @@ def _write_movielens(directory):
   return str(directory)
 
 
+@pytest.mark.parametrize('lines, message', [
+    ([], 'lists no movies'),
+    (['99999999999999|T|d||u' + '|0' * 19], 'has movie id 99999999999999'),
+    (['-1|T|d||u' + '|0' * 19], 'has movie id -1'),
+])
+def test_damaged_movie_lists_are_usage_errors(tmp_path, lines, message):
+  (tmp_path / 'u.item').write_text(''.join(l + '\n' for l in lines),
+                                   encoding='latin-1')
+  with pytest.raises(UsageError, match=message):
+    movielens_ratings.load_genres(str(tmp_path))
+
+
 @pytest.fixture(scope='module')
 def movielens_task(tmp_path_factory):
   directory = _write_movielens(tmp_path_factory.mktemp('ml') / 'ml-100k')

@@ -101,6 +101,40 @@ def test_plot_rejects_an_unknown_metric(tmp_path):
   assert not output.exists()
 
 
+@pytest.mark.parametrize('content, reason', [
+    (b'\xff\xfe round', "UnicodeDecodeError: 'utf-8' codec can't decode "
+     'byte 0xff in position 0: invalid start byte'),
+    (b'round_num,eval/auc\nx,abc\n',
+     "ValueError: invalid literal for int() with base 10: 'x'"),
+])
+def test_plot_refuses_a_damaged_metrics_file(tmp_path, content, reason):
+  (tmp_path / 'a').mkdir()
+  (tmp_path / 'a' / 'metrics.csv').write_bytes(content)
+  output = tmp_path / 'x.png'
+  result = _run('binaries.plot', str(tmp_path / 'a'), '--metric=eval/auc',
+                f'--output={output}')
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      f'error: {tmp_path / "a" / "metrics.csv"} is not a metrics file of '
+      f'binaries.train ({reason})']
+  assert not output.exists()
+
+
+@pytest.mark.parametrize('output', ['file/x.png', 'dir.png'])
+def test_plot_refuses_an_output_it_cannot_write(tmp_path, output):
+  _write_run(tmp_path / 'a', [0.5])
+  (tmp_path / 'file').write_text('not a directory')
+  (tmp_path / 'dir.png').mkdir()
+  result = _run('binaries.plot', str(tmp_path / 'a'), '--metric=eval/auc',
+                f'--output={tmp_path / output}')
+  assert result.returncode == 2
+  expected = (f'{tmp_path / "file"} is a file, not a directory'
+              if output.startswith('file') else 'is a directory')
+  [line] = result.stderr.strip().splitlines()
+  assert line.startswith(f'error: --output={tmp_path / output}')
+  assert line.endswith(expected)
+
+
 def test_train_explains_that_pt_needs_k(train_binary, tmp_path):
   result = train_binary('--task=celeba_smile', '--algorithm=mixed_pt',
                         '--use_synthetic_data', '--client_epochs=1',

@@ -94,6 +94,11 @@ def test_bad_directories_and_files_are_usage_errors(tmp_path):
   _write(tmp_path / 'short', 'u.data', ['1\t2\t3'])
   with pytest.raises(UsageError, match='u.data format'):
     build(str(tmp_path / 'short'))
+  # An id sizes the embedding table: 10^11 rows would exhaust the memory.
+  _write(tmp_path / 'huge', 'u.data', ['1\t99999999999\t3\t4'])
+  with pytest.raises(UsageError, match='has movie id 99999999999: ids index '
+                     'the embedding tables, so they must be at most 10000000'):
+    build(str(tmp_path / 'huge'))
 
 
 # --- Examples and splits -----------------------------------------------------

@@ -14,8 +14,9 @@ workers need it on a path they share):
   round_<r>/<client id, base64url>.state   the state a client had after
                                            round r (a serialized list of
                                            serialized tensors)
-  .owner                                   the run whose store it is (the
-                                           driver's `claim_store_directory`)
+  .owner                                   outside the run directory: the
+                                           run whose store it is (the
+                                           driver's `mark_store_directory`)
 
 Versions are the rounds that wrote them. The driver keeps the *index*: for
 every train client the round of its newest committed state (-1: never

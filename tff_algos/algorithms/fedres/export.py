@@ -124,11 +124,17 @@ def local_weights_for(export_dir: str, client_id: str) -> tuple[np.ndarray, bool
     row = connection.execute(
         'SELECT local_weights FROM local_models WHERE client_id = ?',
         (client_id,)).fetchone()
-    if row is None:
+    found = row is not None
+    if not found:
       row = connection.execute('SELECT value FROM metadata WHERE key = ?',
                                (_INITIAL_KEY,)).fetchone()
-      return np.frombuffer(row[0], '<f4').astype(np.float32), False
-    return np.frombuffer(row[0], '<f4').astype(np.float32), True
+    if row is None or not isinstance(row[0], bytes) or len(row[0]) % 4:
+      raise UsageError(f'{path} has no stored local model for {client_id!r} '
+                       'nor an initial one: it is damaged')
+    return np.frombuffer(row[0], '<f4').astype(np.float32), found
+  except sqlite3.DatabaseError as e:
+    raise UsageError(f'{path} is not a local-model store of a FedRes export '
+                     f'({e})') from e
   finally:
     connection.close()
 
