@@ -107,6 +107,15 @@ def garble_export(p):
     f.write(b'garbage')
 
 
+def damaged_local_models(p):
+  lib.copy_run(os.path.join(p.fedres, 'export'),
+               os.path.join(p.root, 'fedres_export'))
+  with open(os.path.join(p.root, 'fedres_export', 'local_models.sqlite'),
+            'wb') as f:
+    f.write(b'garbage' * 100)
+  np.save(os.path.join(p.root, 'inputs.npy'), np.zeros([2, 10], np.float32))
+
+
 def wrongly_shaped_inputs(p):
   np.save(os.path.join(p.root, 'inputs.npy'), np.zeros([2, 3, 4]))
 
@@ -274,6 +283,17 @@ CASES = [
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
          '[2, 3, 4] and dtype float64 do not fit the export\'s `features` '
          '(shape [None, 10], dtype float32)', setup=wrongly_shaped_inputs),
+    Case('serve_empty_input_file', 'serve_personalized',
+         lambda p: [f'--export_dir={p.fedres}/export', '--client_id=0',
+                    f'--inputs_npy={p.root}/empty.npy'],
+         lambda p: f'--inputs_npy={p.root}/empty.npy is not a .npy array: '
+         'No data left in file', setup=write('empty.npy', b'')),
+    Case('serve_damaged_local_models', 'serve_personalized',
+         lambda p: [f'--export_dir={p.root}/fedres_export', '--client_id=0',
+                    f'--inputs_npy={p.root}/inputs.npy'],
+         lambda p: f'{p.root}/fedres_export/local_models.sqlite is not a '
+         'local-model store of a FedRes export (file is not a database)',
+         setup=damaged_local_models),
     Case('export_over_the_run', 'export',
          of_base(lambda p: f'--export_dir={p.base}'),
          lambda p: f'--export_dir={p.base} would replace the run directory '
