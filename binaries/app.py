@@ -24,7 +24,7 @@ import re
 import signal
 import sqlite3
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 from absl import app
 from absl import flags
@@ -57,23 +57,29 @@ def first_line(text) -> str:
   return re.sub(r'\s*\[Op:\w+\]', '', line)
 
 
-def environment_fault_message(error: BaseException) -> Optional[str]:
-  """The one-line message of an environment fault in `error`'s chain (the
-  error, its cause and context), else None."""
+def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
+  """`error`, its cause (else its context), theirs, ... each once."""
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
-    if isinstance(error, EnvironmentFault):
-      return str(error)
-    if isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
-      where = f'{error.filename}: ' if error.filename else ''
-      return f'{where}{error.strerror}; {_RECOVERY}'
-    if isinstance(error, (sqlite3.OperationalError, OSError)) or (
-        type(error).__module__.startswith('tensorflow')):
-      text = str(error)
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def environment_fault_message(error: BaseException) -> Optional[str]:
+  """The one-line message of an environment fault in `error`'s chain (the
+  error, its cause and context), else None."""
+  for link in _chain(error):
+    if isinstance(link, EnvironmentFault):
+      return str(link)
+    if isinstance(link, OSError) and link.errno in _ENVIRONMENT_ERRNOS:
+      where = f'{link.filename}: ' if link.filename else ''
+      return f'{where}{link.strerror}; {_RECOVERY}'
+    if isinstance(link, (sqlite3.OperationalError, OSError)) or (
+        type(link).__module__.startswith('tensorflow')):
+      text = str(link)
       if any(marker in text for marker in _ENVIRONMENT_MESSAGES):
         return f'{first_line(text)}; {_RECOVERY}'
-    error = error.__cause__ or error.__context__
   return None
 
 
@@ -101,14 +107,10 @@ _UNPARSABLE_DATA = 'Could not parse example input'
 def bad_data_message(error: BaseException) -> Optional[str]:
   """The one-line message for a task's data that cannot be parsed, if
   `error`'s chain (the error, its cause and context) reports it."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if _UNPARSABLE_DATA in str(error):
-      return ('the task\'s data files hold records that cannot be parsed '
-              f'({_UNPARSABLE_DATA}): they are damaged or not the files of '
-              'this task (--cache_dir, --data_dir)')
-    error = error.__cause__ or error.__context__
+  if any(_UNPARSABLE_DATA in str(e) for e in _chain(error)):
+    return ('the task\'s data files hold records that cannot be parsed '
+            f'({_UNPARSABLE_DATA}): they are damaged or not the files of '
+            'this task (--cache_dir, --data_dir)')
   return None
 
 

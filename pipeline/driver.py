@@ -231,9 +231,7 @@ def _require_store_directory(directory: str) -> None:
   """UsageError unless `directory` is, or can be made, a writable directory
   (the clients' computations would otherwise fail in their first write).
   Creates nothing: it runs before the run directory is locked."""
-  existing = os.path.abspath(directory)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
+  existing = run_directory.nearest_existing_path(directory)
   if not os.path.isdir(existing):
     raise UsageError(f'the client-state store {directory} '
                      f'(--client_state_dir) cannot be made: {existing} is a '

@@ -57,6 +57,15 @@ RESULT_NEUTRAL_KEYS = frozenset({
 _CUT_OFF_WRITE = re.compile(r'(_temp\d+|\.staging)$')
 
 
+def nearest_existing_path(path: str) -> str:
+  """`path` (absolute) or its closest ancestor that exists: what making
+  `path` would start from."""
+  existing = os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  return existing
+
+
 def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   """`<root>/<name>`; UsageError if the name would leave the root."""
   name = experiment_name or ''
@@ -68,9 +77,7 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   if os.path.exists(root_output_dir) and not os.path.isdir(root_output_dir):
     raise UsageError(f'--root_output_dir={root_output_dir} is a file, not a '
                      'directory')
-  existing = os.path.abspath(root_output_dir)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
+  existing = nearest_existing_path(root_output_dir)
   if not os.path.isdir(existing):
     raise UsageError(f'--root_output_dir={root_output_dir} cannot be made: '
                      f'{existing} is a file, not a directory')
