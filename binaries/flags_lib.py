@@ -350,6 +350,14 @@ def all_values() -> dict:
   return {f.name: f.value for f in FLAGS.get_flags_for_module(__name__)}
 
 
+def given_flag_defaults() -> dict:
+  """{flag: its default} of the flags given on this command line: what a
+  resume compares them with when the run's hparams.json lacks them (a
+  flag not given takes what this code computes, as the run's did)."""
+  return {f.name: f.default for f in FLAGS.get_flags_for_module(__name__)
+          if f.present}
+
+
 def configure_execution() -> None:
   """The TFF execution context the flags ask for (README, Several TFF
   workers)."""

@@ -65,7 +65,8 @@ def main(argv):
   result = driver.train(
       definition, task, config, hparams,
       model_aggregator=factories.build(aggregation, config.clients_per_round),
-      round_metrics=flags_lib.privacy_metrics(aggregation, task))
+      round_metrics=flags_lib.privacy_metrics(aggregation, task),
+      hparams_defaults=flags_lib.given_flag_defaults())
   summary = ', '.join(f'{k}={v:.4f}' for k, v in sorted(
       result.last_metrics.items()) if k.startswith(('train/loss', 'eval')))
   logging.info('finished round %d: %s', result.round_num, summary)

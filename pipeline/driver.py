@@ -438,15 +438,16 @@ def personal_models_writer(definition: round_lib.RoundDefinition,
 def train(definition: round_lib.RoundDefinition, task: base.Task,
           config: RunConfig, hparams: Optional[dict] = None,
           model_aggregator=None,
-          round_metrics: Optional[Callable[[int], dict]] = None
-          ) -> TrainResult:
+          round_metrics: Optional[Callable[[int], dict]] = None,
+          hparams_defaults: Optional[dict] = None) -> TrainResult:
   """Runs (or resumes) `config.total_rounds` rounds; exports the final model.
 
   `model_aggregator`: a `tff.aggregators` factory for the model update (None:
   the mean). `round_metrics(round_num)` adds values of the run so far to
   each round's metrics (e.g. the privacy spent). The run directory is
   locked meanwhile; a resume first checks `hparams` against the run's
-  (`run_directory.check_resume`).
+  (`run_directory.check_resume`; keys the run's hparams.json lacks against
+  `hparams_defaults`).
   """
   config.validate(task.num_train_clients)
   if definition.has_client_state:
@@ -454,12 +455,13 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
     _require_own_store(config.state_dir, config.run_dir)
   with run_directory.RunLock(config.run_dir):
     return _train_locked(definition, task, config, hparams, model_aggregator,
-                         round_metrics)
+                         round_metrics, hparams_defaults)
 
 
 def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                   config: RunConfig, hparams: Optional[dict],
-                  model_aggregator, round_metrics) -> TrainResult:
+                  model_aggregator, round_metrics,
+                  hparams_defaults: Optional[dict]) -> TrainResult:
   run_dir = config.run_dir
   checkpoints = CheckpointManager(
       os.path.join(run_dir, run_directory.CHECKPOINTS_DIR),
@@ -472,7 +474,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
         '--total_rounds or a new --experiment_name')
   # Flags against hparams.json, metrics.csv readable: before any write.
   resume = run_directory.check_resume(run_dir, start_round, hparams,
-                                      config.allow_flag_changes)
+                                      config.allow_flag_changes,
+                                      hparams_defaults)
 
   formats = state_format(definition, config.state_dir)
   if formats:

@@ -156,19 +156,43 @@ def _as_json(values: dict) -> dict:
   return json.loads(json.dumps(values, default=str, sort_keys=True))
 
 
+class _NotRecorded:
+  """The stored side of a change whose key hparams.json lacks."""
+
+  def __repr__(self):
+    return 'NOT_RECORDED'
+
+
+NOT_RECORDED = _NotRecorded()
+
+
 def result_changes(stored: dict, current: dict,
-                   neutral=RESULT_NEUTRAL_KEYS) -> dict[str, tuple[Any, Any]]:
+                   neutral=RESULT_NEUTRAL_KEYS,
+                   defaults: Optional[dict] = None
+                   ) -> dict[str, tuple[Any, Any]]:
   """{key: (stored, current)} of keys both have that differ, except
-  `neutral` ones. A key only one side has (a flag added or removed by a
-  code change) is not compared."""
+  `neutral` ones. A key hparams.json lacks (a flag added by a code change
+  since the run started, or a hand-edited file) is compared with its entry
+  in `defaults`, the value the flag has when a command does not give it: a
+  current value other than that is a change (stored side NOT_RECORDED). A
+  key only hparams.json has (a flag removed by a code change) is not
+  compared."""
   current = _as_json(current)
-  return {key: (stored[key], current[key])
-          for key in sorted(stored.keys() & current.keys())
-          if key not in neutral and stored[key] != current[key]}
+  defaults = _as_json(defaults or {})
+  keys = (stored.keys() & current.keys()) | (
+      (current.keys() & defaults.keys()) - stored.keys())
+  changes = {}
+  for key in sorted(keys - neutral):
+    old = stored[key] if key in stored else defaults[key]
+    if old != current[key]:
+      changes[key] = (stored.get(key, NOT_RECORDED), current[key])
+  return changes
 
 
 def _describe(changes: dict[str, tuple[Any, Any]]) -> str:
-  return ', '.join(f'--{key} (run: {json.dumps(old)}, now: {json.dumps(new)})'
+  def run_value(old):
+    return 'not in hparams.json' if old is NOT_RECORDED else json.dumps(old)
+  return ', '.join(f'--{key} (run: {run_value(old)}, now: {json.dumps(new)})'
                    for key, (old, new) in changes.items())
 
 
@@ -187,10 +211,12 @@ class ResumePlan:
 
 def check_resume(run_dir: str, start_round: Optional[int],
                  hparams: Optional[dict],
-                 allow_flag_changes: bool = False) -> ResumePlan:
+                 allow_flag_changes: bool = False,
+                 defaults: Optional[dict] = None) -> ResumePlan:
   """Checks that the run may continue from `start_round` with `hparams`
   (see module doc); writes nothing. `hparams` None: not checked (library
-  use)."""
+  use). `defaults`: what keys hparams.json lacks are compared with
+  (`result_changes`)."""
   metrics_path = os.path.join(run_dir, run_logs.METRICS_FILE)
   metrics = run_logs.read_metrics(metrics_path)  # UsageError if damaged.
   current = _as_json(hparams or {})
@@ -209,7 +235,7 @@ def check_resume(run_dir: str, start_round: Optional[int],
                     path)
     return ResumePlan(start_round, current)
   stored = read_hparams(run_dir)
-  changes = result_changes(stored, current)
+  changes = result_changes(stored, current, defaults=defaults)
   if not changes:
     return ResumePlan(start_round, None)
   if not allow_flag_changes:
@@ -226,8 +252,10 @@ def check_resume(run_dir: str, start_round: Optional[int],
                      'changes made on earlier resumes, not '
                      f'{json.dumps(history)}: the file is damaged')
   history = list(history)
+  # A key hparams.json lacked has no 'run' value.
   history.append({'from_round': start_round, 'changes': {
-      key: {'run': old, 'now': new} for key, (old, new) in changes.items()}})
+      key: ({'now': new} if old is NOT_RECORDED else {'run': old, 'now': new})
+      for key, (old, new) in changes.items()}})
   # Neutral values stay the run's; changed ones take this command's.
   updated = {**current, **{k: stored[k] for k in stored.keys() &
                            RESULT_NEUTRAL_KEYS}}

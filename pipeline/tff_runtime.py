@@ -373,6 +373,9 @@ def parse_worker_addresses(addresses: str) -> tuple[str, ...]:
       raise UsageError(f'--worker_addresses: {address!r} is not host:port '
                        '(e.g. localhost:8000)')
     parsed.append(address)
+  if addresses.strip() and not parsed:
+    raise UsageError(f'--worker_addresses={addresses!r} names no worker '
+                     '(host:port,host:port; empty runs locally)')
   return tuple(parsed)
 
 

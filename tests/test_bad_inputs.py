@@ -70,6 +70,17 @@ def write(relative, content):
   return setup
 
 
+def without_hparams_key(run, key):
+  def setup(p):
+    path = os.path.join(p.root, run, 'hparams.json')
+    with open(path) as f:
+      hparams = json.load(f)
+    del hparams[key]
+    with open(path, 'w') as f:
+      json.dump(hparams, f)
+  return setup
+
+
 def in_new_directory(directory, name, content):
   def setup(p):
     os.makedirs(os.path.join(p.root, directory))
@@ -222,6 +233,13 @@ CASES = [
          lambda p: ['--experiment_name=.', f'--root_output_dir={p.base}'],
          lambda p: "--experiment_name='.' must be a non-empty name without "
          'path separators, other than "." and ".."'),
+    Case('resume_with_a_flag_deleted_from_hparams', 'train',
+         resume_base('--client_learning_rate=0.5'),
+         lambda p: f'{p.base} was trained with other values of flags that '
+         'change results: --client_learning_rate (run: not in hparams.json, '
+         'now: 0.5); repeat the run\'s values, use a new --experiment_name, '
+         'or pass --allow_flag_changes to continue with the new ones',
+         setup=without_hparams_key('base', 'client_learning_rate')),
     Case('resume_with_other_flags', 'train',
          resume_base('--client_learning_rate=0.5', '--seed=1'),
          lambda p: f'{p.base} was trained with other values of flags that '
@@ -316,6 +334,10 @@ CASES = [
          lambda p: '--worker_addresses: no TFF worker answers at localhost:1 '
          'within 10 s (start one there with `worker_binary --port=PORT`)',
          status=3),
+    Case('worker_addresses_without_a_worker', 'train',
+         train_new('--worker_addresses=,,,'),
+         lambda p: "--worker_addresses=',,,' names no worker (host:port,"
+         'host:port; empty runs locally)'),
     Case('read_only_new_run', 'train', train_new(),
          lambda p: f'{p.root}/new: Read-only file system; {RECOVERY}',
          status=3, during=read_only_root),

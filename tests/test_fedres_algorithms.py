@@ -29,6 +29,8 @@ DATA = ft.client_data()  # Clients '0', '1', '2' with 4, 6, 2 examples.
 SAMPLED = ('0', '1')
 # A client with client '0''s starting state and no data.
 WITHOUT_DATA = '0_without_data'
+# A client with client '0''s starting state whose update is NaN (a NaN label).
+DIVERGED = '0_diverged'
 # key -> (algorithm, fedres_option, reference variant)
 VARIANTS = {
     'naive': ('fedres_naive', 1, 'naive'),
@@ -58,6 +60,9 @@ def task(tmp_path_factory):
     data.set_client(client_id, ft.unshuffled_batches(x, y))
   x, y = DATA['0']
   data.set_client(WITHOUT_DATA, ft.unshuffled_batches(x[:0], y[:0]))
+  y_nan = np.array(y, np.float32)
+  y_nan[0] = np.nan
+  data.set_client(DIVERGED, ft.unshuffled_batches(x, y_nan))
   return data.task(task)
 
 
@@ -194,6 +199,35 @@ def test_client_without_data_keeps_its_state(rounds):
   np.testing.assert_allclose(_flat(new_state['control']), expected['c'],
                              **TOLERANCE)
   assert metrics['train']['num_examples'] == 6
+
+
+@pytest.mark.parametrize('key,runtime', [
+    ('naive', 'tff'), ('sgd', 'tff'), ('avg2', 'tff'), ('avg2', 'native')])
+def test_a_diverged_client_is_dropped_as_a_client_without_data(rounds, key,
+                                                               runtime):
+  """A client whose update is NaN sends 0, keeps theta_i and c_i and reports
+  no metrics: the round is the one where it had no data, bit for bit
+  (before, w turned NaN for good)."""
+  run = rounds(key, runtime)
+  uses_control = key == 'avg2'
+  results = []
+  for client in (DIVERGED, WITHOUT_DATA):
+    clients = (client, '1')
+    state = run.start_at_p0(uses_control, clients=clients,
+                            states_of={client: '0'})
+    results.append(run.next(state, clients))
+  (state, client_states, metrics), (expected, expected_states, _) = results
+  for a, b in zip(tf.nest.flatten(state), tf.nest.flatten(expected)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(np.all(np.isfinite(np.asarray(v)))
+             for v in tf.nest.flatten(state))
+  for a, b in zip(tf.nest.flatten(client_states),
+                  tf.nest.flatten(expected_states)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_allclose(_flat(client_states[0]['local_model']),
+                             THETAS['0'], **TOLERANCE)
+  assert metrics['train']['num_examples'] == 6
+  assert np.isfinite(metrics['train']['loss'])
 
 
 @pytest.mark.parametrize('key', ['naive', 'avg2'])

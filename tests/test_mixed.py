@@ -294,6 +294,25 @@ def test_two_way_gradient_transfer_two_rounds(two_way_gt):
   assert np.linalg.norm(gtilde_c) > 0.01 and np.linalg.norm(gtilde_f) > 0.01
 
 
+def test_a_diverged_client_is_dropped_as_fedavg_drops_it(two_way_gt):
+  """A client whose Delta_i is NaN adds nothing: x, both gtilde and the
+  metrics are those of the round without it, bit for bit (before, x and
+  gtilde_f became NaN for good)."""
+  diverged = CLIENT_BATCHES + [batches([[1, 0], [2, 1]], [np.nan, 1.0], 2)]
+  state = initial_state(two_way_gt)
+  with_it, metrics_with = run_round(two_way_gt, state, diverged)
+  without, metrics_without = run_round(two_way_gt, state)
+  for a, b in zip(tf.nest.flatten(with_it), tf.nest.flatten(without)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(np.all(np.isfinite(np.asarray(v)))
+             for v in tf.nest.flatten(with_it))
+  for group in ('train', 'central'):
+    assert metrics_with[group].keys() == metrics_without[group].keys()
+    for key, value in metrics_with[group].items():
+      np.testing.assert_array_equal(value, metrics_without[group][key])
+  assert metrics_with['train']['num_examples'] == 4
+
+
 def test_central_steps_setting_sets_the_central_models_steps(build):
   """--central_steps=3 with K=2: three central steps, gtilde_c over three."""
   algorithm = build(mixed.TWO_WAY_GT, HP, central_steps=3)

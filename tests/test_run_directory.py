@@ -87,6 +87,34 @@ def test_result_changes_compare_as_json():
   assert run_directory.result_changes({'x': 1}, {'x': 1.5}) == {'x': (1, 1.5)}
 
 
+def test_a_key_hparams_json_lacks_is_compared_with_its_default(tmp_path):
+  # 'client_learning_rate' deleted from the file (or a flag newer than the
+  # run): a value given other than the flag's default is a change, its
+  # default (what the run had before the flag existed) is not.
+  stored = {k: v for k, v in STORED.items() if k != 'client_learning_rate'}
+  write_run(tmp_path, stored)
+  current = {**STORED, 'client_learning_rate': 0.5, 'new_flag': 2}
+  with pytest.raises(UsageError) as error:
+    run_directory.check_resume(
+        str(tmp_path), 2, current,
+        defaults={'client_learning_rate': 0.01, 'new_flag': 2})
+  assert ('results: --client_learning_rate (run: not in hparams.json, now: '
+          '0.5); repeat') in str(error.value)
+  plan = run_directory.check_resume(
+      str(tmp_path), 2, {**current, 'client_learning_rate': 0.01},
+      defaults={'client_learning_rate': 0.01, 'new_flag': 2})
+  assert plan.hparams_to_write is None
+  # Allowed, the change is recorded without a run value.
+  plan = run_directory.check_resume(
+      str(tmp_path), 2, current, allow_flag_changes=True,
+      defaults={'client_learning_rate': 0.01})
+  run_directory.finish_resume(str(tmp_path), plan)
+  written = json.loads((tmp_path / 'hparams.json').read_text())
+  assert written['client_learning_rate'] == 0.5
+  assert written['flag_changes'] == [{'from_round': 2, 'changes': {
+      'client_learning_rate': {'now': 0.5}}}]
+
+
 @pytest.mark.parametrize('content, message', [
     (b'\xff\xfe', 'is not UTF-8 text (byte 0)'),
     (b'[1, 2]', 'must hold a JSON object of flag values, not a list'),

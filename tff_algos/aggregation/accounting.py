@@ -17,6 +17,7 @@ import functools
 from typing import Optional
 
 import dp_accounting
+import numpy as np
 
 # The metric of the privacy spent so far, logged every round.
 EPSILON_METRIC = 'privacy/epsilon'
@@ -42,7 +43,11 @@ class DpAccounting:
     # by adding it.
     accountant = dp_accounting.rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    accountant.compose(self.round_event())
+    # With much noise the RDP terms underflow: log(0) is the accountant's
+    # own -inf, and its epsilon 0 is right; numpy's warning is not a
+    # problem of the run.
+    with np.errstate(divide='ignore'):
+      accountant.compose(self.round_event())
     return accountant
 
   def epsilon(self, rounds: int) -> float:
@@ -50,8 +55,9 @@ class DpAccounting:
     if self.noise_multiplier == 0:
       return float('inf')
     one_round = self._one_round
-    epsilon, _ = dp_accounting.rdp.compute_epsilon(
-        one_round.orders, rounds * one_round.rdp, self.target_delta)
+    with np.errstate(divide='ignore'):
+      epsilon, _ = dp_accounting.rdp.compute_epsilon(
+          one_round.orders, rounds * one_round.rdp, self.target_delta)
     return float(epsilon)
 
 

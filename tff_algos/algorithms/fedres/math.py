@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tasks import residual
+from tff_algos.algorithms import non_finite
 from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms import sgd_step
 
@@ -179,11 +180,9 @@ def client_minus_server(server_control, client_control) -> list[tf.Tensor]:
 def updated_client_control(client_control, mean_gradient, num_steps):
   """Option II: c_i+ = (1/K) sum_k g_k; a client without data keeps c_i.
 
-  Returns (c_i+, c_i+ - c_i). A cond, not a where: a where is one more
-  pass over the weights."""
-  new_control = tf.cond(num_steps > 0, lambda: list(mean_gradient),
-                        lambda: list(client_control))
-  return new_control, [n - c for n, c in zip(new_control, client_control)]
+  A cond, not a where: a where is one more pass over the weights."""
+  return tf.cond(num_steps > 0, lambda: list(mean_gradient),
+                 lambda: list(client_control))
 
 
 def server_weights_update(global_weights, mean_delta, server_step: float):
@@ -262,7 +261,9 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
   The result sends w_i - w (uniform weight) and, for Option II, sums
   c_i+ - c_i; its metrics are Step 1's (Naive: the joint steps') loss sum and
   examples, losses taken before each step. theta_i (and c_i) stay on the
-  client as its new state.
+  client as its new state. A client whose w_i - w or new state is not
+  finite is dropped: it sends 0 (it still counts in the uniform mean, as a
+  client without data), keeps theta_i (and c_i) and reports no metrics.
   """
   variant = hparams.variant
   eta, lam = hparams.learning_rate, hparams.local_learning_rate
@@ -330,15 +331,30 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
                                      global_weights)]
     new_state = collections.OrderedDict(
         local_model=_read(model.local_weights))
-    sums = collections.OrderedDict()
     if hparams.uses_control:
       denominator = tf.cast(tf.maximum(carry['gradient_steps'], 1),
                             tf.float32)
-      new_state['control'], sums['control_delta'] = updated_client_control(
+      new_state['control'] = updated_client_control(
           client_state['control'],
           [s / denominator for s in carry['gradient_sums']],
           carry['gradient_steps'])
+    # A client whose w_i - w or new state is not finite (it diverged) is
+    # dropped as FedAvg drops it (`non_finite`), in FedRes's uniform mean as
+    # a client without data: w_i - w = 0, theta_i (and c_i) kept, no
+    # metrics.
+    (delta, _), dropped = non_finite.zero_all_if_any_non_finite(
+        (delta, new_state))
+    kept = tf.equal(dropped, 0)
+    new_state = tf.cond(kept, lambda: new_state,
+                        lambda: collections.OrderedDict(
+                            (k, list(client_state[k])) for k in new_state))
+    sums = collections.OrderedDict()
+    if hparams.uses_control:
+      sums['control_delta'] = [n - c for n, c in zip(new_state['control'],
+                                                     client_state['control'])]
     loss_sum, num_examples, _ = carry['stats']
+    loss_sum = tf.where(kept, loss_sum, 0.0)
+    num_examples = tf.where(kept, num_examples, tf.zeros_like(num_examples))
     return round_lib.ClientResult(
         model_update=delta, weight=tf.constant(1.0), sums=sums,
         metrics=collections.OrderedDict(loss_sum=loss_sum,

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_algos.algorithms import non_finite
 from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms import sgd_step
 
@@ -325,8 +326,10 @@ def client_work(settings: RoundSettings,
 
   The result sends Delta_i = x_i - x (weighted by the examples processed,
   p_i) and the model's metrics; 2-w GT also sums K_i (eq. 10; its Delta_i
-  sum comes from the same uploads). With diagnostics it measures g_i(x) on
-  the first batch (a simulation-only measurement, not uploaded).
+  sum comes from the same uploads). A client whose Delta_i is not finite is
+  dropped (weight 0, K_i not counted, no metrics). With diagnostics it
+  measures g_i(x) on the first batch (a simulation-only measurement, not
+  uploaded).
   """
   specs = tuple(trainable_specs)
 
@@ -375,17 +378,26 @@ def client_work(settings: RoundSettings,
   def finish(model, message, client_state, carry):
     del client_state
     variables = list(ModelWeights.from_model(model).trainable)
+    # A client whose Delta_i is not finite (it diverged) is dropped as
+    # FedAvg drops it (`non_finite`): Delta_i zeroed, weight 0, no steps
+    # counted for gtilde_f, no metrics.
+    model_update, dropped = non_finite.zero_all_if_any_non_finite(
+        subtract([v.read_value() for v in variables],
+                 list(message['global_model_weights'].trainable)))
+    kept = tf.equal(dropped, 0)
     sums = collections.OrderedDict()
     if settings.keeps_augmenting_gradients:
-      sums['num_steps'] = tf.cast(carry['num_steps'], tf.float32)
+      sums['num_steps'] = tf.where(
+          kept, tf.cast(carry['num_steps'], tf.float32), 0.0)
     measurements = collections.OrderedDict()
     if settings.diagnostics:
       measurements['first_gradient'] = list(carry['first_gradient'])
+    non_finite.reset_metrics_if(dropped, model)
     return round_lib.ClientResult(
-        model_update=subtract([v.read_value() for v in variables],
-                              list(message['global_model_weights'].trainable)),
-        weight=tf.cast(carry['num_examples'], tf.float32), sums=sums,
-        measurements=measurements,
+        model_update=model_update,
+        weight=tf.where(kept, tf.cast(carry['num_examples'], tf.float32),
+                        0.0),
+        sums=sums, measurements=measurements,
         metrics=model.report_local_unfinalized_metrics())
 
   return round_lib.ClientWork(start=start, steps=(step,), finish=finish)
