@@ -108,7 +108,12 @@ def _assert_same_model_and_metrics(run, reference, **tolerance):
           reference.last_metrics[key], rel=1e-4, abs=1e-5), key
 
 
-@pytest.mark.parametrize('name', sorted(SETTINGS))
+# One algorithm of each family (its round definition's own aggregation
+# inputs); every algorithm goes through an aggregator below (DP).
+ROBUST_NAMES = ('fedavg', 'scaffold', 'mixed_2wgt', 'fedres_avg')
+
+
+@pytest.mark.parametrize('name', ROBUST_NAMES)
 def test_robust_without_clipping_or_zeroing_is_the_mean(name, tasks,
                                                         tmp_path_factory):
   robust = factories.AggregatorSettings(aggregator=factories.ROBUST,

@@ -316,16 +316,6 @@ def test_worker_that_does_not_start_is_an_error_within_seconds(
               if str(binary) in ' '.join(p.cmdline()) and alive(p)]
 
 
-def test_unreachable_worker_address_is_an_error_within_seconds(
-    restore_default_context):
-  del restore_default_context
-  started = time.monotonic()
-  with pytest.raises(EnvironmentFault, match='no TFF worker answers at '
-                     'localhost:1 within 10 s'):
-    tff_runtime.configure_execution(worker_addresses=('localhost:1',))
-  assert time.monotonic() - started < 20
-
-
 @pytest.mark.parametrize('error, expected', [
     (OSError(errno.ENOSPC, 'No space left on device', '/r/metrics.csv'),
      '/r/metrics.csv: No space left on device'),
