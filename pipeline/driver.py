@@ -202,7 +202,28 @@ class CheckpointManager:
     if os.path.exists(self._dir) and not os.path.isdir(self._dir):
       raise UsageError(f'{self._dir} is a file, not the directory of the '
                        "run's checkpoints")
+    self._refuse_other_round_names()
     return list(asyncio.run(self._manager.get_versions()) or ())
+
+  def _refuse_other_round_names(self) -> None:
+    """TFF reads a name as `int(name without the prefix)`, so it takes
+    `round_0005` for round 5, then loads and deletes `round_5`."""
+    try:
+      names = sorted(os.listdir(self._dir))
+    except FileNotFoundError:
+      return
+    for name in names:
+      if not name.startswith(CHECKPOINT_PREFIX):
+        continue
+      try:
+        round_num = int(name[len(CHECKPOINT_PREFIX):])
+      except ValueError:
+        continue  # Not a round to TFF either (e.g. a cut-off write).
+      if name != f'{CHECKPOINT_PREFIX}{round_num}':
+        raise UsageError(
+            f'{os.path.join(self._dir, name)} is not a checkpoint name this '
+            f'pipeline writes ({CHECKPOINT_PREFIX}{round_num}); move it out of '
+            f'{self._dir}')
 
   def latest_round(self) -> Optional[int]:
     rounds = self.rounds()

@@ -269,6 +269,11 @@ CASES = [
     Case('checkpoints_a_file', 'evaluate', of_base(),
          lambda p: f'{p.base}/checkpoints is a file, not the directory of the '
          "run's checkpoints", setup=checkpoints_as_file),
+    Case('checkpoint_with_another_round_name', 'train', resume_base(),
+         lambda p: f'{p.base}/checkpoints/round_07 is not a checkpoint name '
+         f'this pipeline writes (round_7); move it out of {p.base}/checkpoints',
+         setup=lambda p: os.makedirs(os.path.join(p.base, 'checkpoints',
+                                                  'round_07'))),
     Case('hparams_wrong_type', 'export', of_base(),
          lambda p: f'{p.base}/hparams.json: seed=\'abc\' is not a valid '
          "--seed (invalid literal for int() with base 10: 'abc')",
