@@ -89,16 +89,22 @@ def test_plot_writes_one_png_of_several_runs(tmp_path):
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
-def test_plot_rejects_an_unknown_metric(tmp_path):
-  _write_run(tmp_path / 'a', [0.5])
-  output = tmp_path / 'x.png'
-  result = _run('binaries.plot', str(tmp_path / 'a'), '--metric=eval/nope',
+def _assert_plot_refuses(run_dir, metric, error):
+  """plot of `run_dir`'s `metric` exits 2 with the one line `error: <error>`
+  and writes no image."""
+  output = run_dir.parent / 'x.png'
+  result = _run('binaries.plot', str(run_dir), f'--metric={metric}',
                 f'--output={output}')
   assert result.returncode == 2
-  assert result.stderr.strip().splitlines() == [
-      f'error: --metric=eval/nope is not a column of '
-      f'{tmp_path / "a" / "metrics.csv"}; allowed: eval/auc, train/loss']
+  assert result.stderr.strip().splitlines() == [f'error: {error}']
   assert not output.exists()
+
+
+def test_plot_rejects_an_unknown_metric(tmp_path):
+  _write_run(tmp_path / 'a', [0.5])
+  _assert_plot_refuses(
+      tmp_path / 'a', 'eval/nope', '--metric=eval/nope is not a column of '
+      f'{tmp_path / "a" / "metrics.csv"}; allowed: eval/auc, train/loss')
 
 
 @pytest.mark.parametrize('content, reason', [
@@ -110,14 +116,9 @@ def test_plot_rejects_an_unknown_metric(tmp_path):
 def test_plot_refuses_a_damaged_metrics_file(tmp_path, content, reason):
   (tmp_path / 'a').mkdir()
   (tmp_path / 'a' / 'metrics.csv').write_bytes(content)
-  output = tmp_path / 'x.png'
-  result = _run('binaries.plot', str(tmp_path / 'a'), '--metric=eval/auc',
-                f'--output={output}')
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines() == [
-      f'error: {tmp_path / "a" / "metrics.csv"} is not a metrics file of '
-      f'binaries.train ({reason})']
-  assert not output.exists()
+  _assert_plot_refuses(
+      tmp_path / 'a', 'eval/auc', f'{tmp_path / "a" / "metrics.csv"} is not '
+      f'a metrics file of binaries.train ({reason})')
 
 
 @pytest.mark.parametrize('output', ['file/x.png', 'dir.png'])
