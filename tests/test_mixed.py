@@ -313,6 +313,32 @@ def test_a_diverged_client_is_dropped_as_fedavg_drops_it(two_way_gt):
   assert metrics_with['train']['num_examples'] == 4
 
 
+def test_a_diverged_central_model_is_dropped_for_the_round(
+    pt, one_way_gt, two_way_gt):
+  """A NaN in the central batch: the round equals the one without central
+  data, bit for bit (PT and 2-w GT merge Delta_c = 0 and keep gtilde_c, 1-w
+  GT sends no central gradient); before, x became NaN for good."""
+  nan_label = [(CENTRAL_BATCHES[0][0], np.array([np.nan, 1.0]))]
+  no_central_data = [(np.zeros((0, 2)), np.zeros(0))]
+  for algorithm in (pt, one_way_gt, two_way_gt):
+    # From a state after one round: 2-w GT's gtilde_c is then not 0.
+    state, _ = run_round(algorithm, initial_state(algorithm))
+    dropped, metrics_dropped = run_round(algorithm, state,
+                                         central_batches=nan_label +
+                                         CENTRAL_BATCHES[1:])
+    without, metrics_without = run_round(algorithm, state,
+                                         central_batches=no_central_data)
+    for a, b in zip(tf.nest.flatten(dropped), tf.nest.flatten(without)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(np.all(np.isfinite(np.asarray(v)))
+               for v in tf.nest.flatten(dropped))
+    assert metrics_dropped['central']['num_steps'] == 0
+    assert np.isnan(metrics_dropped['central']['loss'])
+    for key, value in metrics_dropped['train'].items():
+      np.testing.assert_array_equal(value, metrics_without['train'][key])
+  assert np.linalg.norm(to_theta(state['gtilde_c'])) > 0.01
+
+
 def test_central_steps_setting_sets_the_central_models_steps(build):
   """--central_steps=3 with K=2: three central steps, gtilde_c over three."""
   algorithm = build(mixed.TWO_WAY_GT, HP, central_steps=3)

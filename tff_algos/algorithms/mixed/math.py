@@ -136,8 +136,8 @@ def central_update(model: tff.learning.models.VariableModel,
   g_c + gtilde_f per element of `elements` (a central batch, or a step index
   for a data-free loss).
 
-  Returns an OrderedDict with `delta` (x_c - x), `num_steps`, the mean
-  unweighted central `loss`, and with `measure_first_gradient` (diagnostics)
+  Returns an OrderedDict with `delta` (x_c - x; 0 if not finite),
+  `num_steps` (0 then), the mean unweighted central `loss`, and with `measure_first_gradient` (diagnostics)
   `first_gradient` = g_c(x) on the first batch.
   """
   model_weights = ModelWeights.from_model(model)
@@ -164,10 +164,15 @@ def central_update(model: tff.learning.models.VariableModel,
     num_steps += 1
     loss_sum += loss
   steps = tf.cast(num_steps, tf.float32)
+  # A central model that diverged (the server's data or its learning rate)
+  # is dropped for the round as a diverged client is: Delta_c = 0 and no
+  # steps counted, so gtilde_c stays; the loss it reached is still reported.
+  delta, dropped = non_finite.zero_all_if_any_non_finite(
+      subtract([v.read_value() for v in variables],
+               list(initial_weights.trainable)))
   result = collections.OrderedDict(
-      delta=subtract([v.read_value() for v in variables],
-                     list(initial_weights.trainable)),
-      num_steps=steps,
+      delta=delta,
+      num_steps=tf.where(tf.equal(dropped, 0), steps, 0.0),
       loss=tf.math.divide_no_nan(loss_sum, steps))
   if measure_first_gradient:
     result['first_gradient'] = list(first_gradient)
@@ -183,7 +188,8 @@ def central_gradient(model: tff.learning.models.VariableModel,
   """g_c = w_c * grad f_c(x; B_c) on the first element (1-w GT).
 
   Returns an OrderedDict with `gradient`, `num_steps` (1, or 0 when there is
-  no central data) and the unweighted `loss`.
+  no central data or the gradient is not finite: it is then 0) and the
+  unweighted `loss`.
   """
   model_weights = ModelWeights.from_model(model)
   _assign(model_weights, initial_weights)
@@ -197,8 +203,12 @@ def central_gradient(model: tff.learning.models.VariableModel,
       weighted_loss = loss_weight * loss
     gradient = _weighted_gradient(tape, weighted_loss, variables)
     num_steps = tf.constant(1.0, tf.float32)
-  return collections.OrderedDict(gradient=list(gradient), num_steps=num_steps,
-                                 loss=loss)
+  # A gradient that is not finite is not sent (as `central_update` drops a
+  # central model that diverged): clients take plain steps this round.
+  gradient, dropped = non_finite.zero_all_if_any_non_finite(gradient)
+  return collections.OrderedDict(
+      gradient=list(gradient),
+      num_steps=tf.where(tf.equal(dropped, 0), num_steps, 0.0), loss=loss)
 
 
 # ---------------------------------------------------------------------------
