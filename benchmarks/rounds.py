@@ -27,7 +27,7 @@ each in its own process:
               in-graph), the clients spread over one thread per CPU, then
               the average; with grappler off, which only costs time here.
               FedAvg; SCAFFOLD (Option II) with each client's c_i, and
-              FedResAvg (Option II) with its theta_i and c_i, read from and
+              FedResAvg (--fedres_option) with its theta_i (and c_i), read from and
               written to a file on local disk, as (a) does. A stateful
               algorithm's (c) minus FedAvg's (c) is its extra work, and its
               (a) round is written as FedAvg's (a) round times x plus that.
@@ -110,6 +110,10 @@ _CLIENTS_PER_SUBROUND = flags.DEFINE_integer(
     '(a) and the sweep\'s driver runs: rounds with more clients run as '
     'sub-rounds of at most this many (train.py --num_subrounds), which bounds '
     'the worker\'s memory. 0: no sub-rounds.')
+_FEDRES_OPTION = flags.DEFINE_enum(
+    'fedres_option', '2', ['1', '2'],
+    'FedResAvg\'s option in every mode: 2 (control variates c_i, the '
+    'default) or 1 (c = c_i = 0: its state is theta_i alone).')
 _CLIENTS_PER_GROUP = flags.DEFINE_integer(
     'clients_per_group', 0,
     'Driver runs (a): clients per compiled group (train.py '
@@ -227,7 +231,8 @@ def _settings(algorithm: str):
                 central_learning_rate=CLIENT_LEARNING_RATE *
                 SERVER_LEARNING_RATE,
                 central_batch_size=_CLIENT_BATCH_SIZE.value *
-                _CHILD_CLIENTS.value)
+                _CHILD_CLIENTS.value,
+                fedres_option=int(_FEDRES_OPTION.value))
   names = {field.name for field in dataclasses.fields(settings_class)}
   return settings_class(**{k: v for k, v in values.items() if k in names})
 
@@ -438,13 +443,14 @@ def _bound_client_update(algorithm, global_model, server_c, states,
       steps += 1.0
     delta = [local - server for local, server in zip(client_weights,
                                                      global_weights)]
-    if not server_c:
+    if not states:  # FedAvg.
       return delta, [], num_examples
     if local_model is None:  # SCAFFOLD Option II: c_i - c + (x - y_i)/(K eta).
       new_c = [cmc - d / (steps * CLIENT_LEARNING_RATE)
                for cmc, d in zip(client_minus_server, delta)]
       new_state = new_c
-    else:  # FedResAvg Option II: the mean gradient of the second pass.
+    else:  # FedResAvg Option II: the mean gradient of the second pass
+      # (Option I: none, gradient_sums is empty).
       new_c = [s / steps for s in gradient_sums]
       new_state = list(local_model.trainable_variables) + new_c
     with tf.control_dependencies([states.write(write_path, new_state)]):
@@ -459,8 +465,8 @@ def _bound_client_update(algorithm, global_model, server_c, states,
 def _run_plain_tf_bound() -> list[float]:
   """(c): the same round as one in-process TF loop, no TFF.
 
-  FedAvg, SCAFFOLD (Option II) with each client's c_i, or FedResAvg
-  (Option II) with its theta_i and c_i read from and written to local disk.
+  FedAvg, SCAFFOLD (Option II) with each client's c_i, or FedResAvg with
+  its theta_i (and c_i, Option II) read from and written to local disk.
   """
   from pipeline import driver  # pylint: disable=g-import-not-at-top
   from tasks import base  # pylint: disable=g-import-not-at-top
@@ -475,8 +481,11 @@ def _run_plain_tf_bound() -> list[float]:
   tf.config.optimizer.set_experimental_options(
       {'disable_meta_optimizer': True})
   global_model = celeba.build_keras_model()
-  server_c = [] if algorithm == 'fedavg' else [
-      tf.Variable(tf.zeros_like(v)) for v in global_model.trainable_variables]
+  has_control_variates = algorithm == 'scaffold' or (
+      algorithm == 'fedres_avg' and _FEDRES_OPTION.value == '2')
+  server_c = [tf.Variable(tf.zeros_like(v))
+              for v in global_model.trainable_variables
+              ] if has_control_variates else []
   initial_state = [tf.zeros_like(c) for c in server_c]
   if algorithm == 'fedres_avg':
     initial_state = [v.numpy() for v in _local_model().trainable_variables
@@ -572,7 +581,8 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
   command += [f'--{name}={FLAGS[name].value}' for name in (
       'rounds', 'warmup_rounds', 'client_steps', 'client_batch_size',
       'population', 'max_concurrent_computation_calls', 'num_workers',
-      'clients_per_subround', 'clients_per_group', 'bound_threads')]
+      'clients_per_subround', 'clients_per_group', 'bound_threads',
+      'fedres_option')]
   started = time.perf_counter()
   child = subprocess.Popen(command, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True,
@@ -662,7 +672,8 @@ def run_parent() -> None:
                      f'largest clients per round ({largest})')
   print(f'benchmark: K={_CLIENT_STEPS.value}, B={_CLIENT_BATCH_SIZE.value}, '
         f'{_ROUNDS.value} timed + {_WARMUP_ROUNDS.value} warm-up rounds, '
-        f'population {_POPULATION.value}, {os.cpu_count()} CPUs, load '
+        f'population {_POPULATION.value}, FedResAvg option '
+        f'{_FEDRES_OPTION.value}, {os.cpu_count()} CPUs, load '
         f'average {_load()}' + (
             f', driver sub-rounds of <= {_CLIENTS_PER_SUBROUND.value} clients'
             if _CLIENTS_PER_SUBROUND.value > 0 else ''), flush=True)
