@@ -37,6 +37,7 @@ from pipeline.errors import UsageError
 
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it.
 
 _ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
                        errno.EPERM)
@@ -76,10 +77,23 @@ def environment_fault_message(error: BaseException) -> Optional[str]:
       where = f'{link.filename}: ' if link.filename else ''
       return f'{where}{link.strerror}; {_RECOVERY}'
     if isinstance(link, (sqlite3.OperationalError, OSError)) or (
-        type(link).__module__.startswith('tensorflow')):
-      text = str(link)
-      if any(marker in text for marker in _ENVIRONMENT_MESSAGES):
-        return f'{first_line(text)}; {_RECOVERY}'
+        type(link).__module__.startswith(('tensorflow', 'grpc'))):
+      line = _line_naming_the_fault(str(link))
+      if line is not None:
+        return f'{line}; {_RECOVERY}'
+  return None
+
+
+def _line_naming_the_fault(text: str) -> Optional[str]:
+  """The line of an error text that reports an environment fault, without
+  the wrapping of TF (`Graph execution error:` first, the failing path on a
+  later line) and of a TFF worker's gRPC status (`details = "Failed to run
+  computation: ...`), else None."""
+  for line in str(text).splitlines():
+    if any(marker in line for marker in _ENVIRONMENT_MESSAGES):
+      line = re.sub(r'^\s*details = "', '', line)
+      line = re.sub(r'^Failed to run computation: ', '', line)
+      return first_line(line).rstrip('"')
   return None
 
 
@@ -156,6 +170,11 @@ def run(main, allow_positional_args: bool = False) -> None:
       return main(argv)
     except UsageError as e:
       fail(str(e), EXIT_USAGE)
+    except KeyboardInterrupt:
+      # Ctrl-C is a way to stop, not a fault: no traceback. A run's writes
+      # are atomic, so the same command goes on from the last one.
+      fail('interrupted; re-run the same command to go on (what was '
+           'written before is kept)', EXIT_INTERRUPTED)
     except (NotADirectoryError, IsADirectoryError) as e:
       # A path given through a file, or a file path that is a directory.
       fail(f'{e.filename}: {e.strerror}', EXIT_USAGE)

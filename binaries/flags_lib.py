@@ -420,6 +420,19 @@ def apply_built_task_defaults(task: task_base.Task) -> None:
                                 task.num_train_clients)
 
 
+def require_known_names(stored_in: Optional[str] = None) -> None:
+  """UsageError unless --algorithm and --task name registered ones;
+  `stored_in`: the hparams.json that supplied those not given."""
+  for name, known in (('algorithm', algorithm_registry.NAMES),
+                      ('task', task_registry.NAMES)):
+    value = FLAGS[name].value
+    if value not in known:
+      source = (f' (in {stored_in})' if stored_in and not FLAGS[name].present
+                else '')
+      raise UsageError(f'--{name}={value!r}{source} is unknown; allowed: '
+                       f'{", ".join(known)}')
+
+
 def build_algorithm(task: task_base.Task):
   """The round definition of --algorithm on `task` from the flags; a
   setting it cannot take is a UsageError naming the flag."""
@@ -428,6 +441,14 @@ def build_algorithm(task: task_base.Task):
     return algorithm_registry.build(FLAGS.algorithm, task, settings)
   except settings_lib.SettingError as e:
     raise UsageError(f'--{e}') from e
+
+
+def unused_algorithm_flags(algorithm: str) -> frozenset:
+  """The algorithm flags `algorithm` does not read (given, they are
+  refused; on a resume, their recorded values are not compared)."""
+  used = {f.name for f in dataclasses.fields(
+      algorithm_registry.settings_class(algorithm))}
+  return frozenset(ALGORITHM_FLAGS) - used
 
 
 def algorithm_settings(algorithm: str):

@@ -57,6 +57,10 @@ def load_run_flags() -> None:
       raise UsageError(f'{path} names no {name}: it is damaged (binaries.'
                        'train writes every flag there)')
   known = {f.name for f in FLAGS.get_flags_for_module(flags_lib.__name__)}
+  for name in ('task', 'algorithm'):
+    if not FLAGS[name].present:
+      FLAGS[name].value = hparams[name]
+  flags_lib.require_known_names(path)
   for name, value in hparams.items():
     if name in known and not FLAGS[name].present:
       FLAGS[name].value = _parse_stored(name, value, path)

@@ -11,10 +11,8 @@ from binaries import app
 from binaries import flags_lib
 from pipeline import driver
 from pipeline import run_directory
-from pipeline.errors import UsageError
 from tasks import registry as task_registry
 from tff_algos.aggregation import factories
-from tff_algos.algorithms import registry as algorithm_registry
 
 FLAGS = flags.FLAGS
 flags.DEFINE_boolean(
@@ -44,12 +42,7 @@ def main(argv):
   app.require_flags('task', 'algorithm', 'experiment_name')
   # Before the (slow) task and algorithm builds.
   run_directory.run_dir_path(FLAGS.root_output_dir, FLAGS.experiment_name)
-  if FLAGS.algorithm not in algorithm_registry.NAMES:
-    raise UsageError(f'--algorithm={FLAGS.algorithm!r} is unknown; allowed: '
-                     f'{", ".join(algorithm_registry.NAMES)}')
-  if FLAGS.task not in task_registry.NAMES:
-    raise UsageError(f'--task={FLAGS.task!r} is unknown; allowed: '
-                     f'{", ".join(task_registry.NAMES)}')
+  flags_lib.require_known_names()
   task_defaults = flags_lib.apply_task_defaults(FLAGS.task)
   if FLAGS.runtime == 'tff':  # The native runtime never starts TFF's.
     flags_lib.configure_execution()
@@ -66,7 +59,8 @@ def main(argv):
       definition, task, config, hparams,
       model_aggregator=factories.build(aggregation, config.clients_per_round),
       round_metrics=flags_lib.privacy_metrics(aggregation, task),
-      hparams_defaults=flags_lib.given_flag_defaults())
+      hparams_defaults=flags_lib.given_flag_defaults(),
+      hparams_unused=flags_lib.unused_algorithm_flags(FLAGS.algorithm))
   summary = ', '.join(f'{k}={v:.4f}' for k, v in sorted(
       result.last_metrics.items()) if k.startswith(('train/loss', 'eval')))
   logging.info('finished round %d: %s', result.round_num, summary)

@@ -13,6 +13,7 @@ a resumed run is bit-identical to an uninterrupted one.
 import asyncio
 import collections
 import dataclasses
+import errno
 import logging
 import os
 import time
@@ -249,8 +250,9 @@ class CheckpointManager:
 
 
 def _require_store_directory(directory: str) -> None:
-  """UsageError unless `directory` is, or can be made, a writable directory
-  (the clients' computations would otherwise fail in their first write).
+  """UsageError unless `directory` is, or can be made, a directory, and
+  OSError (an environment fault) unless it is writable: the clients'
+  computations would otherwise fail in their first write.
   Creates nothing: it runs before the run directory is locked."""
   existing = run_directory.nearest_existing_path(directory)
   if not os.path.isdir(existing):
@@ -258,9 +260,10 @@ def _require_store_directory(directory: str) -> None:
                      f'(--client_state_dir) cannot be made: {existing} is a '
                      'file, not a directory')
   if not os.access(existing, os.W_OK | os.X_OK):
-    raise UsageError(f'the client-state store {directory} '
-                     f'(--client_state_dir) cannot be written: {existing} '
-                     'is not writable')
+    # The machine's state, as any output that cannot be written (exit 3).
+    code = (errno.EROFS if os.statvfs(existing).f_flag & os.ST_RDONLY
+            else errno.EACCES)
+    raise OSError(code, os.strerror(code), existing)
 
 
 # In a client-state store: the run directory (real path) whose store it is.
@@ -280,14 +283,26 @@ def _require_own_store(directory: str, run_dir: str) -> None:
   resume deletes the store's rounds after its checkpoint, which in another
   run's directory would be that run's files. Creates nothing.
 
-  Refused: a directory inside another run directory, one marked as another
-  run's store (`mark_store_directory`), or an unmarked one holding anything
-  but client states. The default store, inside the run directory, is the
-  run's even if the run was moved.
+  Refused: a directory inside another run directory, inside this run's
+  directory but not its default store (there it would share a directory
+  the run writes, such as its export), the run directory or one holding it,
+  one marked as another run's store (`mark_store_directory`), or an
+  unmarked one holding client states (its mark may have been lost: it can
+  be another run's) or anything but client states. The default store,
+  inside the run directory, is the run's even if the run was moved.
   """
   store = os.path.realpath(directory)
   run = os.path.realpath(run_dir)
   flag = f'the client-state store {directory} (--client_state_dir)'
+  default = store == os.path.join(run, CLIENT_STATE_DIR)
+  if not default and (store == run or store.startswith(run + os.sep)):
+    raise UsageError(f'{flag} lies inside the run directory {run} but is not '
+                     f'its {CLIENT_STATE_DIR} directory; leave '
+                     '--client_state_dir unset or name a directory outside '
+                     'the run')
+  if run.startswith(store + os.sep):
+    raise UsageError(f'{flag} holds the run directory {run}; name a '
+                     'directory of its own')
   ancestor = os.path.dirname(store)
   while True:
     if ancestor != run and os.path.isfile(
@@ -299,18 +314,29 @@ def _require_own_store(directory: str, run_dir: str) -> None:
       break
     ancestor = parent
   owner = _store_owner(store)
-  default = store == os.path.join(run, CLIENT_STATE_DIR)
   if owner is not None and owner != run and not default:
     raise UsageError(f'{flag} is the store of the run {owner}; give each run '
                      'a store of its own')
   if owner is None and os.path.isdir(store):
-    others = [name for name in os.listdir(store)
+    names = os.listdir(store)
+    others = [name for name in names
               if not (client_states.is_round_directory(name) or
                       name.startswith(STORE_OWNER_FILE))]
     if others:
       raise UsageError(f'{flag} holds files that are not client states '
                        f'(e.g. {sorted(others)[0]}); give the run an empty '
                        'or new directory')
+    rounds = sorted(name for name in names
+                    if client_states.is_round_directory(name))
+    if rounds and not default:
+      # mark_store_directory marks a store before its first round: client
+      # states without the mark are another run's, or lost their mark.
+      raise UsageError(
+          f'{flag} holds client states ({rounds[0]}) but no '
+          f'{STORE_OWNER_FILE} file naming this run: it may be another '
+          'run\'s store. If it is this run\'s, write the run directory\'s '
+          f'path ({run}) into {os.path.join(store, STORE_OWNER_FILE)}; '
+          'otherwise give the run an empty or new directory')
 
 
 def mark_store_directory(directory: str, run_dir: str) -> None:
@@ -460,7 +486,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
           config: RunConfig, hparams: Optional[dict] = None,
           model_aggregator=None,
           round_metrics: Optional[Callable[[int], dict]] = None,
-          hparams_defaults: Optional[dict] = None) -> TrainResult:
+          hparams_defaults: Optional[dict] = None,
+          hparams_unused: frozenset = frozenset()) -> TrainResult:
   """Runs (or resumes) `config.total_rounds` rounds; exports the final model.
 
   `model_aggregator`: a `tff.aggregators` factory for the model update (None:
@@ -468,7 +495,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   each round's metrics (e.g. the privacy spent). The run directory is
   locked meanwhile; a resume first checks `hparams` against the run's
   (`run_directory.check_resume`; keys the run's hparams.json lacks against
-  `hparams_defaults`).
+  `hparams_defaults`; `hparams_unused`, flags the algorithm does not read,
+  not compared).
   """
   config.validate(task.num_train_clients)
   if definition.has_client_state:
@@ -476,13 +504,14 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
     _require_own_store(config.state_dir, config.run_dir)
   with run_directory.RunLock(config.run_dir):
     return _train_locked(definition, task, config, hparams, model_aggregator,
-                         round_metrics, hparams_defaults)
+                         round_metrics, hparams_defaults, hparams_unused)
 
 
 def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                   config: RunConfig, hparams: Optional[dict],
                   model_aggregator, round_metrics,
-                  hparams_defaults: Optional[dict]) -> TrainResult:
+                  hparams_defaults: Optional[dict],
+                  hparams_unused: frozenset) -> TrainResult:
   run_dir = config.run_dir
   checkpoints = CheckpointManager(
       os.path.join(run_dir, run_directory.CHECKPOINTS_DIR),
@@ -496,7 +525,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
   # Flags against hparams.json, metrics.csv readable: before any write.
   resume = run_directory.check_resume(run_dir, start_round, hparams,
                                       config.allow_flag_changes,
-                                      hparams_defaults)
+                                      hparams_defaults, hparams_unused)
 
   formats = state_format(definition, config.state_dir)
   if formats:

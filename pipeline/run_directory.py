@@ -66,6 +66,10 @@ def nearest_existing_path(path: str) -> str:
   return existing
 
 
+# A file name's limit in bytes on Linux's file systems (ext4, xfs, tmpfs).
+NAME_MAX_BYTES = 255
+
+
 def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   """`<root>/<name>`; UsageError if the name would leave the root."""
   name = experiment_name or ''
@@ -74,6 +78,15 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
     raise UsageError(f'--experiment_name={experiment_name!r} must be a '
                      'non-empty name without path separators, other than '
                      '"." and ".."')
+  if any(ord(c) < 32 or c == '\x7f' for c in name):
+    raise UsageError(f'--experiment_name={experiment_name!r} holds a control '
+                     'character (e.g. a newline); name the run without one')
+  if len(os.fsencode(name)) > NAME_MAX_BYTES:
+    raise UsageError(f'--experiment_name is {len(os.fsencode(name))} bytes '
+                     f'long; a file name has at most {NAME_MAX_BYTES}')
+  if not root_output_dir:
+    raise UsageError('--root_output_dir is empty; name the directory that '
+                     'holds the runs')
   if os.path.exists(root_output_dir) and not os.path.isdir(root_output_dir):
     raise UsageError(f'--root_output_dir={root_output_dir} is a file, not a '
                      'directory')
@@ -212,11 +225,13 @@ class ResumePlan:
 def check_resume(run_dir: str, start_round: Optional[int],
                  hparams: Optional[dict],
                  allow_flag_changes: bool = False,
-                 defaults: Optional[dict] = None) -> ResumePlan:
+                 defaults: Optional[dict] = None,
+                 unused: frozenset = frozenset()) -> ResumePlan:
   """Checks that the run may continue from `start_round` with `hparams`
   (see module doc); writes nothing. `hparams` None: not checked (library
   use). `defaults`: what keys hparams.json lacks are compared with
-  (`result_changes`)."""
+  (`result_changes`). `unused`: keys of flags the run's algorithm does not
+  read (their values, e.g. one derived from a used flag, change nothing)."""
   metrics_path = os.path.join(run_dir, run_logs.METRICS_FILE)
   metrics = run_logs.read_metrics(metrics_path)  # UsageError if damaged.
   current = _as_json(hparams or {})
@@ -235,7 +250,8 @@ def check_resume(run_dir: str, start_round: Optional[int],
                     path)
     return ResumePlan(start_round, current)
   stored = read_hparams(run_dir)
-  changes = result_changes(stored, current, defaults=defaults)
+  changes = result_changes(stored, current, RESULT_NEUTRAL_KEYS | unused,
+                           defaults)
   if not changes:
     return ResumePlan(start_round, None)
   if not allow_flag_changes:

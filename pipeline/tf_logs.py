@@ -43,6 +43,20 @@ IMPORT_NOISE = re.compile(
     r'registered|TF-TRT Warning: Could not find TensorRT')
 
 
+def worker_environment() -> dict:
+  """The environment for a local TFF worker (a C++ child process).
+
+  An error a worker hits fails the call the driver made, whose status
+  carries the worker's message; the binaries report it from there in one
+  line. Unless the user chose TensorFlow's level (see the module doc), the
+  worker's own ERROR lines would only repeat it, so it logs FATAL only.
+  """
+  env = dict(os.environ)
+  if env.get(_QUIET_VARIABLE):
+    env[LOG_LEVEL_VARIABLE] = '3'
+  return env
+
+
 def _asks_for_verbosity(argv: Sequence[str]) -> bool:
   return any(arg in ('-v', '--v') or
              arg.startswith(('--verbosity', '-verbosity', '-v=', '--v='))

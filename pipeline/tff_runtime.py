@@ -36,6 +36,8 @@ from typing import Optional
 
 import psutil
 
+from pipeline import tf_logs
+
 # The worker inherits the environment at first use; INFO lines from its graph
 # optimizer would otherwise flood every run's output.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
@@ -222,9 +224,11 @@ def _spawn_worker(args: list[str]) -> subprocess.Popen:
     if _spawner is None:
       _spawner = concurrent.futures.ThreadPoolExecutor(
           max_workers=1, thread_name_prefix='tff-worker-spawner')
-  # stdout/stderr are inherited as TFF does, so worker errors are seen.
+  # stdout/stderr are inherited as TFF does, so a worker's fatal errors
+  # are seen; the others reach the driver as the status of its call.
   return _spawner.submit(subprocess.Popen, _die_with_parent(args),
-                         stdin=subprocess.DEVNULL).result()
+                         stdin=subprocess.DEVNULL,
+                         env=tf_logs.worker_environment()).result()
 
 
 class _LocalWorker:

@@ -217,6 +217,33 @@ CASES = [
          '(--client_state_dir) holds files that are not client states (e.g. '
          'notes.txt); give the run an empty or new directory',
          setup=in_new_directory('store', 'notes.txt', 'mine')),
+    # Its .owner deleted, another run's store was taken over and emptied.
+    Case('client_state_dir_with_states_but_no_owner', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.root}/store'),
+         lambda p: f'the client-state store {p.root}/store '
+         '(--client_state_dir) holds client states (round_2) but no .owner '
+         'file naming this run: it may be another run\'s store. If it is '
+         'this run\'s, write the run directory\'s path '
+         f'({os.path.realpath(p.root)}/new) into '
+         f'{os.path.realpath(p.root)}/store/.owner; otherwise give the run an '
+         'empty or new directory',
+         setup=in_new_directory('store/round_2', 'AA.state', b'state')),
+    # The final export replaced its directory, states and all.
+    Case('client_state_dir_in_own_export', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.root}/new/export'),
+         lambda p: f'the client-state store {p.root}/new/export '
+         '(--client_state_dir) lies inside the run directory '
+         f'{os.path.realpath(p.root)}/new but is not its client_states '
+         'directory; leave --client_state_dir unset or name a directory '
+         'outside the run'),
+    Case('client_state_dir_holding_the_run', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.root}'),
+         lambda p: f'the client-state store {p.root} (--client_state_dir) '
+         f'holds the run directory {os.path.realpath(p.root)}/new; name a '
+         'directory of its own'),
     Case('cache_dir_is_a_file', 'train',
          lambda p: ['--task=celeba_smile', '--algorithm=fedavg',
                     '--experiment_name=new', f'--root_output_dir={p.root}',
@@ -229,6 +256,21 @@ CASES = [
                     f'--root_output_dir={p.base}'],
          lambda p: "--experiment_name='..' must be a non-empty name without "
          'path separators, other than "." and ".."'),
+    Case('experiment_name_with_a_newline', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=a\nb',
+                    f'--root_output_dir={p.root}'],
+         lambda p: "--experiment_name='a\\nb' holds a control character "
+         '(e.g. a newline); name the run without one'),
+    Case('experiment_name_too_long', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=' + 'a' * 300,
+                    f'--root_output_dir={p.root}'],
+         lambda p: '--experiment_name is 300 bytes long; a file name has at '
+         'most 255'),
+    Case('root_output_dir_empty', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=new',
+                    '--root_output_dir='],
+         lambda p: '--root_output_dir is empty; name the directory that holds '
+         'the runs'),
     Case('experiment_name_dot', 'evaluate',
          lambda p: ['--experiment_name=.', f'--root_output_dir={p.base}'],
          lambda p: "--experiment_name='.' must be a non-empty name without "
@@ -261,6 +303,15 @@ CASES = [
          lambda p: f'{p.base}/hparams.json names no algorithm: it is damaged '
          '(binaries.train writes every flag there)',
          setup=edit_hparams(algorithm=None)),
+    Case('hparams_unknown_algorithm', 'export', of_base(),
+         lambda p: f"--algorithm='foo' (in {p.base}/hparams.json) is unknown; "
+         'allowed: fedavg, fedprox, fedsgd, scaffold, fedpvr, mixed_pt, '
+         'mixed_1wgt, mixed_2wgt, fedres_naive, fedres_sgd, fedres_avg',
+         setup=edit_hparams(algorithm='foo')),
+    Case('evaluate_unknown_algorithm', 'evaluate', of_base('--algorithm=foo'),
+         lambda p: "--algorithm='foo' is unknown; allowed: fedavg, fedprox, "
+         'fedsgd, scaffold, fedpvr, mixed_pt, mixed_1wgt, mixed_2wgt, '
+         'fedres_naive, fedres_sgd, fedres_avg'),
     Case('hparams_flag_changes_not_a_list', 'train',
          resume_base('--allow_flag_changes', '--seed=3'),
          lambda p: f'{p.base}/hparams.json: flag_changes must be a list of '
@@ -349,6 +400,12 @@ CASES = [
     Case('read_only_resume', 'train', resume_base(),
          lambda p: f'{p.base}/.lock: Read-only file system; {RECOVERY}',
          status=3, during=read_only_root),
+    # Checked before the run directory is locked: the store comes first.
+    Case('read_only_resume_with_a_store', 'train',
+         lambda p: [*lib.FEDRES_FLAGS, '--experiment_name=fedres',
+                    '--total_rounds=3', f'--root_output_dir={p.root}'],
+         lambda p: f'{p.fedres}/client_states: Read-only file system; '
+         f'{RECOVERY}', status=3, during=read_only_root),
     Case('read_only_evaluate', 'evaluate', of_base(),
          lambda p: f'{p.base}/evaluation_round_3.json: Read-only file system; '
          f'{RECOVERY}', status=3, during=read_only_root),

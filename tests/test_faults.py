@@ -112,13 +112,13 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
   temp.mkdir()
   env = lib.environment(TMPDIR=str(temp))
 
-  def start(name):
+  def start(name, stderr=subprocess.DEVNULL):
     return subprocess.Popen(
         lib.binary_command('binaries.train', *lib.DIGITS_FLAGS,
                            '--total_rounds=100000', f'--experiment_name={name}',
                            f'--root_output_dir={root}'),
         cwd=lib.REPO, env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
   # SIGTERM and SIGHUP once autograph has written files: the private temp
   # directory holding them goes with the process.
@@ -131,6 +131,20 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
     finally:
       process.kill()
     assert not os.listdir(temp)
+
+  # Ctrl-C (SIGINT) mid-run: one line, no traceback, status 130.
+  process = start('interrupted', stderr=subprocess.PIPE)
+  try:
+    wait_for_autograph_file(temp, process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+  finally:
+    process.kill()
+  assert process.returncode == 130, stderr[-3000:]
+  assert stderr.strip().splitlines() == [
+      'error: interrupted; re-run the same command to go on (what was '
+      'written before is kept)'], stderr[-3000:]
+  assert not os.listdir(temp)
 
   # SIGKILL while training; meanwhile a second trainer is refused.
   process = start('killed')
@@ -316,6 +330,13 @@ def test_worker_that_does_not_start_is_an_error_within_seconds(
               if str(binary) in ' '.join(p.cmdline()) and alive(p)]
 
 
+class _GrpcError(Exception):
+  """Stands for grpc's `_InactiveRpcError` (a module's class, by name)."""
+
+
+_GrpcError.__module__ = 'grpc._channel'
+
+
 @pytest.mark.parametrize('error, expected', [
     (OSError(errno.ENOSPC, 'No space left on device', '/r/metrics.csv'),
      '/r/metrics.csv: No space left on device'),
@@ -326,6 +347,18 @@ def test_worker_that_does_not_start_is_an_error_within_seconds(
     (tf.errors.ResourceExhaustedError(
         None, None, '{{function_node x}} /r/v.data; No space left on device '
         '[Op:SaveV2]'), '/r/v.data; No space left on device'),
+    # The native runtime: TF names the failing path on a later line.
+    (tf.errors.ResourceExhaustedError(
+        None, None, 'Graph execution error:\n\nDetected at node WriteFile\n'
+        '/r/s/round_2/AA.state; No space left on device\n\t [[{{node '
+        'WriteFile}}]]\nHint: ...\n [Op:__inference_f_10]'),
+     '/r/s/round_2/AA.state; No space left on device'),
+    # TFF's runtime: a worker's failed computation, as gRPC passes it on.
+    (_GrpcError('<_InactiveRpcError of RPC that terminated with:\n\tstatus = '
+                'StatusCode.INTERNAL\n\tdetails = "Failed to run computation: '
+                '/r/s/round_2/AA.state; No space left on device\n\t [[{{'
+                'function_node cond}}{{node WriteFile}}]]\nHint: ..."\n>'),
+     '/r/s/round_2/AA.state; No space left on device'),
     (EnvironmentFault('the TFF worker w exited'), 'the TFF worker w exited'),
 ])
 def test_environment_faults_are_recognized(error, expected):

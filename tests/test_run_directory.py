@@ -63,6 +63,23 @@ def test_changed_results_flags_are_refused_by_name(tmp_path):
       'pass --allow_flag_changes to continue with the new ones')
 
 
+def test_flags_the_algorithm_does_not_read_are_not_compared(tmp_path):
+  """FedAvg on CelebA records eta_c = eta * eta_s; a new eta changes it,
+  but only --client_learning_rate is a change FedAvg makes."""
+  write_run(tmp_path, {**STORED, 'central_learning_rate': 0.01})
+  with pytest.raises(UsageError) as error:
+    run_directory.check_resume(
+        str(tmp_path), 2, {**STORED, 'client_learning_rate': 0.5,
+                           'central_learning_rate': 0.5},
+        unused=frozenset({'central_learning_rate'}))
+  assert 'results: --client_learning_rate (run: 0.01, now: 0.5); ' in str(
+      error.value)
+  plan = run_directory.check_resume(
+      str(tmp_path), 2, {**STORED, 'central_learning_rate': 0.5},
+      unused=frozenset({'central_learning_rate'}))
+  assert plan.hparams_to_write is None
+
+
 def test_allowed_changes_are_recorded(tmp_path):
   write_run(tmp_path)
   plan = run_directory.check_resume(
