@@ -7,6 +7,12 @@ half-written last row or event record. The resumed run re-runs those rounds,
 so `trim_metrics` and `trim_tensorboard` first remove everything after the
 checkpoint; a round then appears once, as in an uninterrupted run. Kept rows
 are kept byte for byte.
+
+Only what a kill can leave is cleaned up: rows after the checkpoint, a last
+row cut off mid-write. Anything else (metrics.csv missing while a checkpoint
+exists, rows of rounds up to the checkpoint missing, repeated or out of
+order) is a UsageError naming the file and rounds, raised before anything is
+rewritten (`check_metrics`).
 """
 
 import dataclasses
@@ -37,7 +43,7 @@ class MetricsLines:
 
 def _damaged(path: str, what: str) -> UsageError:
   return UsageError(f'{path} {what}; it is not a metrics file of this '
-                    'pipeline: move it away to resume without its rows')
+                    'pipeline: restore it, or use a new --experiment_name')
 
 
 def read_metrics(path: str) -> Optional[MetricsLines]:
@@ -67,7 +73,8 @@ def read_metrics(path: str) -> Optional[MetricsLines]:
   for number, line in enumerate(lines[1:], start=2):
     fields = next(csv.reader([line]), [])
     if len(fields) != len(header) or not fields[0].isdigit():
-      raise _damaged(path, f'line {number} is not a row of its columns')
+      after = f' (after the row of round {rounds[-1]})' if rounds else ''
+      raise _damaged(path, f'line {number}{after} is not a row of its columns')
     rounds.append(int(fields[0]))
   return MetricsLines(lines[0], lines[1:], rounds, partial_tail)
 
@@ -96,9 +103,61 @@ def _round_ranges(rounds: list[int]) -> str:
   return f'{rounds[0]}' if len(rounds) == 1 else f'{rounds[0]}-{rounds[-1]}'
 
 
-def trim_metrics(path: str, last_round: int) -> None:
-  """Removes rows of rounds after `last_round` and a partial last row."""
+def _rows_of(first: int, last: int) -> str:
+  """'the row of round 3 is' / 'the rows of rounds 3-6 are'."""
+  return (f'the row of round {first} is' if first == last else
+          f'the rows of rounds {first}-{last} are')
+
+
+def check_metrics(path: str, last_round: int) -> Optional[MetricsLines]:
+  """The file's lines if a run may resume from checkpoint `last_round`
+  with it: one row per round 1..`last_round`, in order, then only rows of
+  later rounds (which the resume drops); otherwise a UsageError naming the
+  rounds. The file may be missing only when no round was checkpointed."""
   metrics = read_metrics(path)
+  advice = ('restore the file, or use a new --experiment_name (the run '
+            'cannot record those rounds again)')
+  if metrics is None:
+    if last_round > 0:
+      raise UsageError(
+          f'{path} is missing, but the run has checkpoint round {last_round}:'
+          f' {_rows_of(1, last_round)} lost; {advice}')
+    return None
+  rounds = metrics.rounds
+  for index, round_num in enumerate(rounds[:last_round]):
+    expected = index + 1
+    if round_num == expected:
+      continue
+    line = index + 2
+    if round_num < expected:
+      problem = f'line {line} repeats the row of round {round_num}'
+    elif expected in rounds[index:]:
+      problem = (f'its rows are out of order (line {line} holds round '
+                 f'{round_num} where round {expected} belongs)')
+    else:
+      problem = f'{_rows_of(expected, min(round_num - 1, last_round))} missing'
+
+    raise UsageError(f'{path}: {problem}, up to checkpoint round '
+                     f'{last_round}; {advice}')
+  if len(rounds) < last_round:
+    cut = (f' (the row of round {len(rounds) + 1} was cut off mid-write)'
+           if metrics.partial_tail else '')
+    raise UsageError(
+        f'{path}: {_rows_of(len(rounds) + 1, last_round)} missing{cut}, up '
+        f'to checkpoint round {last_round}; {advice}')
+  for index, round_num in enumerate(rounds[last_round:], start=last_round):
+    if round_num <= last_round:
+      raise UsageError(
+          f'{path}: line {index + 2} repeats the row of round {round_num}, '
+          f'up to checkpoint round {last_round}; {advice}')
+  return metrics
+
+
+def trim_metrics(path: str, last_round: int) -> None:
+  """Removes rows of rounds after `last_round` and a partial last row;
+  UsageError (nothing changed) if the file is not as `check_metrics`
+  requires."""
+  metrics = check_metrics(path, last_round)
   if metrics is None:
     return
   keep = [row for row, round_num in zip(metrics.rows, metrics.rounds)

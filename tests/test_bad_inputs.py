@@ -22,8 +22,8 @@ import pytest
 import fault_testlib as lib
 
 RECOVERY = 'fix that and re-run the same command (what was written before is kept)'
-NOT_METRICS = ('; it is not a metrics file of this pipeline: move it away to '
-               'resume without its rows')
+NOT_METRICS = ('; it is not a metrics file of this pipeline: restore it, or '
+               'use a new --experiment_name')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,12 @@ def in_new_directory(directory, name, content):
   def setup(p):
     os.makedirs(os.path.join(p.root, directory))
     write(os.path.join(directory, name), content)(p)
+  return setup
+
+
+def remove(relative):
+  def setup(p):
+    os.remove(os.path.join(p.root, relative))
   return setup
 
 
@@ -288,6 +294,12 @@ CASES = [
     Case('metrics_a_directory', 'train', resume_base(),
          lambda p: f'{p.base}/metrics.csv is a directory' + NOT_METRICS,
          setup=replace_with_directory('base/metrics.csv')),
+    Case('metrics_missing', 'train', resume_base(),
+         lambda p: f'{p.base}/metrics.csv is missing, but the run has '
+         'checkpoint round 3: the rows of rounds 1-3 are lost; restore the '
+         'file, or use a new --experiment_name (the run cannot record those '
+         'rounds again)',
+         setup=remove('base/metrics.csv')),
     Case('checkpoint_round_missing', 'evaluate',
          of_base('--checkpoint_round=7'),
          lambda p: f'--checkpoint_round=7: {p.base}/checkpoints has no '

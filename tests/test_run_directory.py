@@ -75,6 +75,7 @@ def test_allowed_changes_are_recorded(tmp_path):
   assert written['flag_changes'] == [
       {'from_round': 2, 'changes': {'seed': {'run': 0, 'now': 1}}}]
   # A second change appends; the recorded history is not compared.
+  (tmp_path / 'metrics.csv').write_text(HEADER + rows(1, 2, 3, 4))
   plan = run_directory.check_resume(
       str(tmp_path), 4, {**STORED, 'seed': 2}, allow_flag_changes=True)
   run_directory.finish_resume(str(tmp_path), plan)
@@ -162,9 +163,63 @@ def test_damaged_metrics_are_refused(tmp_path, content, message):
   with pytest.raises(UsageError) as error:
     run_logs.trim_metrics(str(path), 3)
   assert str(error.value) == (
-      f'{path} {message}; it is not a metrics file of this pipeline: move it '
-      'away to resume without its rows')
+      f'{path} {message}; it is not a metrics file of this pipeline: restore '
+      'it, or use a new --experiment_name')
   assert path.read_text() == content
+
+
+@pytest.mark.parametrize('content, last_round, problem', [
+    (None, 6, ' is missing, but the run has checkpoint round 6: the rows of '
+     'rounds 1-6 are lost'),
+    (HEADER, 1, ': the row of round 1 is missing, up to checkpoint round 1'),
+    (HEADER + rows(1, 2, 3), 6,
+     ': the rows of rounds 4-6 are missing, up to checkpoint round 6'),
+    (HEADER + rows(1, 2) + '3,0.', 6,
+     ': the rows of rounds 3-6 are missing (the row of round 3 was cut off '
+     'mid-write), up to checkpoint round 6'),
+    (HEADER + rows(1, 2, 4, 5, 6), 6,
+     ': the row of round 3 is missing, up to checkpoint round 6'),
+    (HEADER + rows(1, 2, 2, 3, 4, 5, 6), 6,
+     ': line 4 repeats the row of round 2, up to checkpoint round 6'),
+    (HEADER + rows(1, 2, 3, 4, 5, 6, 7, 4), 6,
+     ': line 9 repeats the row of round 4, up to checkpoint round 6'),
+    (HEADER + rows(1, 3, 2, 4), 4,
+     ': its rows are out of order (line 3 holds round 3 where round 2 '
+     'belongs), up to checkpoint round 4'),
+])
+def test_metrics_without_one_row_per_checkpointed_round_are_refused(
+    tmp_path, content, last_round, problem):
+  """Rows a kill cannot lose: the resume would record those rounds never or
+  twice. Refused before anything changes."""
+  write_run(tmp_path, metrics=content or '')
+  if content is None:
+    os.remove(tmp_path / 'metrics.csv')
+  before = lib.tree_digest(str(tmp_path))
+  with pytest.raises(UsageError) as error:
+    run_directory.check_resume(str(tmp_path), last_round, STORED)
+  assert str(error.value) == (
+      f'{tmp_path / "metrics.csv"}{problem}; restore the file, or use a new '
+      '--experiment_name (the run cannot record those rounds again)')
+  with pytest.raises(UsageError):
+    run_logs.trim_metrics(str(tmp_path / 'metrics.csv'), last_round)
+  assert lib.tree_digest(str(tmp_path)) == before
+
+
+def test_metrics_missing_before_the_first_round_is_fine(tmp_path):
+  # Killed after checkpoint 0, before round 1 was logged.
+  write_run(tmp_path)
+  os.remove(tmp_path / 'metrics.csv')
+  run_directory.finish_resume(
+      str(tmp_path), run_directory.check_resume(str(tmp_path), 0, STORED))
+  assert not (tmp_path / 'metrics.csv').exists()
+
+
+def test_an_unparsable_row_names_the_round_before_it(tmp_path):
+  path = tmp_path / 'metrics.csv'
+  path.write_text(HEADER + rows(1, 2) + 'zz\n' + rows(4))
+  with pytest.raises(UsageError, match=r'line 4 \(after the row of round 2\) '
+                     'is not a row of its columns'):
+    run_logs.trim_metrics(str(path), 4)
 
 
 def test_metrics_directory_is_refused(tmp_path):
