@@ -264,6 +264,80 @@ def test_tensorboard_steps_after_the_checkpoint_are_removed(tmp_path):
   assert scalar_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
 
 
+def events_file(directory, steps):
+  write_events(directory, steps)
+  return run_logs.event_files(str(directory))[-1]
+
+
+def overwrite(path, offset, data):
+  with open(path, 'rb+') as f:
+    f.seek(offset)
+    f.write(data)
+
+
+def assert_refused_unchanged(run_dir, match):
+  before = lib.tree_digest(str(run_dir))
+  with pytest.raises(UsageError, match=match):
+    run_directory.check_resume(str(run_dir), 2, STORED)
+  with pytest.raises(UsageError, match=match):
+    run_logs.trim_tensorboard(str(run_dir / 'tensorboard'), 2)
+  assert lib.tree_digest(str(run_dir)) == before
+
+
+def test_events_damaged_before_the_last_record_are_refused(tmp_path):
+  # A kill only cuts the last record short; bytes changed in the middle
+  # are damage, and cutting the file there would lose the rounds after.
+  write_run(tmp_path)
+  path = events_file(tmp_path / 'tensorboard', [1, 2, 3, 4])
+  records, _ = run_logs.read_events(path)
+  second = len(records[0]) + 16  # The first scalar's record.
+  overwrite(path, second + 14, b'\xff' * 6)
+  assert_refused_unchanged(
+      tmp_path, f'^{path} is damaged at byte {second} \\(record 2\\) with '
+      r'\d+ bytes from there: not a cut-off last record.*without its events$')
+  # The last record complete but wrong is damage too, not a cut-off write.
+  overwrite(path, second + 14, records[1][2:8])
+  assert run_logs.read_events(path) == (records, False)
+  overwrite(path, os.path.getsize(path) - 6, b'\x00\x01')
+  assert_refused_unchanged(tmp_path, 'is damaged at byte')
+
+
+@pytest.mark.parametrize('content', [
+    b'not an events file\n' * 20, b'abc', b'\x00' * 40,
+    # A TFRecord file, but not of events.
+    None,
+])
+def test_foreign_events_files_are_refused_not_truncated(tmp_path, content):
+  write_run(tmp_path)
+  path = tmp_path / 'tensorboard' / 'events.out.tfevents.123.host'
+  path.parent.mkdir()
+  if content is None:
+    with tf.io.TFRecordWriter(str(path)) as writer:
+      writer.write(b'some record')
+  else:
+    path.write_bytes(content)
+  before = lib.tree_digest(str(tmp_path))
+  with pytest.raises(UsageError, match=f'^{path} is not a TensorBoard events '
+                     'file .*; move it out of the run\'s tensorboard '
+                     'directory to resume without its events$'):
+    run_directory.check_resume(str(tmp_path), None, None)
+  with pytest.raises(UsageError):
+    run_logs.trim_tensorboard(str(tmp_path / 'tensorboard'), 0)
+  assert lib.tree_digest(str(tmp_path)) == before
+
+
+def test_a_cut_off_first_record_is_removed_an_empty_file_kept(tmp_path):
+  # A kill (or a full disk) while TF made the file: nothing of ours is lost.
+  path = events_file(tmp_path, [1])
+  first = open(path, 'rb').read()[:30]
+  for size in (0, 5, 12, 30):
+    with open(path, 'wb') as f:
+      f.write(first[:size])
+    run_logs.check_tensorboard(str(tmp_path))
+    run_logs.trim_tensorboard(str(tmp_path), 0)
+    assert os.path.exists(path) == (size == 0)
+
+
 def test_cut_off_writes_are_removed(tmp_path):
   (tmp_path / 'checkpoints' / 'round_4_temp1234' / 'variables').mkdir(
       parents=True)
