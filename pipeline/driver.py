@@ -558,10 +558,13 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
     run_directory.finish_resume(run_dir, resume)
     logging.info('Resuming %s from round %d', run_dir, start_round)
 
-  csv_metrics = tff.program.CSVFileReleaseManager(
-      os.path.join(run_dir, 'metrics.csv'), key_fieldname='round_num')
-  tensorboard = tff.program.TensorBoardReleaseManager(
-      os.path.join(run_dir, 'tensorboard'))
+  if start_round < config.total_rounds:
+    # Each makes a file (TensorBoard a new events file per run): only when
+    # a round will be logged.
+    csv_metrics = tff.program.CSVFileReleaseManager(
+        os.path.join(run_dir, 'metrics.csv'), key_fieldname='round_num')
+    tensorboard = tff.program.TensorBoardReleaseManager(
+        os.path.join(run_dir, 'tensorboard'))
   evaluator = None
   client_ids = np.asarray(task.train_client_ids, dtype=object)
   group_size = cohort.clients_per_group(

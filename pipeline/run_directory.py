@@ -5,7 +5,10 @@ left behind.
 - `RunLock`: an fcntl lock on `<run>/.lock`, held while a process trains in
   (or exports from) the run; the kernel drops it when the process dies, even
   by SIGKILL. A second process gets one UsageError.
-- `check_resume`: before anything is written, the flags of a resumed run are
+- `check_resume`: before anything is written, metrics.csv and the
+  TensorBoard events are checked (`run_logs.check_metrics`,
+  `run_logs.check_tensorboard`: only what a kill leaves may differ from one
+  row per round up to the checkpoint), and the flags of a resumed run are
   compared with its hparams.json; a flag that changes results and differs is
   refused (one line naming each), unless the caller allows changes, which are
   then recorded in hparams.json under `flag_changes`. Flags that do not
@@ -233,7 +236,9 @@ def check_resume(run_dir: str, start_round: Optional[int],
   (`result_changes`). `unused`: keys of flags the run's algorithm does not
   read (their values, e.g. one derived from a used flag, change nothing)."""
   metrics_path = os.path.join(run_dir, run_logs.METRICS_FILE)
-  metrics = run_logs.read_metrics(metrics_path)  # UsageError if damaged.
+  # UsageError if damaged, or not one row per round up to the checkpoint.
+  metrics = run_logs.check_metrics(metrics_path, start_round or 0)
+  run_logs.check_tensorboard(os.path.join(run_dir, TENSORBOARD_DIR))
   current = _as_json(hparams or {})
   if start_round is None:
     if metrics is not None and metrics.rows:

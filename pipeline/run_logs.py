@@ -7,11 +7,19 @@ half-written last row or event record. The resumed run re-runs those rounds,
 so `trim_metrics` and `trim_tensorboard` first remove everything after the
 checkpoint; a round then appears once, as in an uninterrupted run. Kept rows
 are kept byte for byte.
+
+Only what a kill can leave is cleaned up: rows after the checkpoint, a last
+row or event record cut off mid-write. Anything else (metrics.csv missing
+while a checkpoint exists, rows of rounds up to the checkpoint missing,
+repeated or out of order; an events file damaged before its last record, or
+not an events file of this pipeline) is a UsageError naming the file, raised
+before anything is rewritten (`check_metrics`, `check_tensorboard`).
 """
 
 import dataclasses
 import logging
 import os
+import struct
 from typing import Optional
 
 from pipeline.errors import UsageError
@@ -23,6 +31,12 @@ TIMING_COLUMNS = ('round_seconds', 'eval_seconds')
 _EVENTS_PREFIX = 'events.out.tfevents.'
 # A TFRecord is length (8 bytes), its CRC (4), the data, the data's CRC (4).
 _RECORD_FRAMING_BYTES = 16
+_RECORD_HEADER_BYTES = 12
+# An events file's first record (TF's EventsWriter) is an Event whose data
+# starts with wall_time (field 1, a double) and file_version (field 3).
+_FIRST_EVENT_PREFIX = (b'\x09', 8, b'\x1a\x0dbrain.Event:')
+# Longer than any first record TF writes (about 60 bytes).
+_MAX_FIRST_RECORD_BYTES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +51,7 @@ class MetricsLines:
 
 def _damaged(path: str, what: str) -> UsageError:
   return UsageError(f'{path} {what}; it is not a metrics file of this '
-                    'pipeline: move it away to resume without its rows')
+                    'pipeline: restore it, or use a new --experiment_name')
 
 
 def read_metrics(path: str) -> Optional[MetricsLines]:
@@ -67,7 +81,8 @@ def read_metrics(path: str) -> Optional[MetricsLines]:
   for number, line in enumerate(lines[1:], start=2):
     fields = next(csv.reader([line]), [])
     if len(fields) != len(header) or not fields[0].isdigit():
-      raise _damaged(path, f'line {number} is not a row of its columns')
+      after = f' (after the row of round {rounds[-1]})' if rounds else ''
+      raise _damaged(path, f'line {number}{after} is not a row of its columns')
     rounds.append(int(fields[0]))
   return MetricsLines(lines[0], lines[1:], rounds, partial_tail)
 
@@ -96,9 +111,61 @@ def _round_ranges(rounds: list[int]) -> str:
   return f'{rounds[0]}' if len(rounds) == 1 else f'{rounds[0]}-{rounds[-1]}'
 
 
-def trim_metrics(path: str, last_round: int) -> None:
-  """Removes rows of rounds after `last_round` and a partial last row."""
+def _rows_of(first: int, last: int) -> str:
+  """'the row of round 3 is' / 'the rows of rounds 3-6 are'."""
+  return (f'the row of round {first} is' if first == last else
+          f'the rows of rounds {first}-{last} are')
+
+
+def check_metrics(path: str, last_round: int) -> Optional[MetricsLines]:
+  """The file's lines if a run may resume from checkpoint `last_round`
+  with it: one row per round 1..`last_round`, in order, then only rows of
+  later rounds (which the resume drops); otherwise a UsageError naming the
+  rounds. The file may be missing only when no round was checkpointed."""
   metrics = read_metrics(path)
+  advice = ('restore the file, or use a new --experiment_name (the run '
+            'cannot record those rounds again)')
+  if metrics is None:
+    if last_round > 0:
+      raise UsageError(
+          f'{path} is missing, but the run has checkpoint round {last_round}:'
+          f' {_rows_of(1, last_round)} lost; {advice}')
+    return None
+  rounds = metrics.rounds
+  for index, round_num in enumerate(rounds[:last_round]):
+    expected = index + 1
+    if round_num == expected:
+      continue
+    line = index + 2
+    if round_num < expected:
+      problem = f'line {line} repeats the row of round {round_num}'
+    elif expected in rounds[index:]:
+      problem = (f'its rows are out of order (line {line} holds round '
+                 f'{round_num} where round {expected} belongs)')
+    else:
+      problem = f'{_rows_of(expected, min(round_num - 1, last_round))} missing'
+
+    raise UsageError(f'{path}: {problem}, up to checkpoint round '
+                     f'{last_round}; {advice}')
+  if len(rounds) < last_round:
+    cut = (f' (the row of round {len(rounds) + 1} was cut off mid-write)'
+           if metrics.partial_tail else '')
+    raise UsageError(
+        f'{path}: {_rows_of(len(rounds) + 1, last_round)} missing{cut}, up '
+        f'to checkpoint round {last_round}; {advice}')
+  for index, round_num in enumerate(rounds[last_round:], start=last_round):
+    if round_num <= last_round:
+      raise UsageError(
+          f'{path}: line {index + 2} repeats the row of round {round_num}, '
+          f'up to checkpoint round {last_round}; {advice}')
+  return metrics
+
+
+def trim_metrics(path: str, last_round: int) -> None:
+  """Removes rows of rounds after `last_round` and a partial last row;
+  UsageError (nothing changed) if the file is not as `check_metrics`
+  requires."""
+  metrics = check_metrics(path, last_round)
   if metrics is None:
     return
   keep = [row for row, round_num in zip(metrics.rows, metrics.rounds)
@@ -125,30 +192,127 @@ def event_files(directory: str) -> list[str]:
   return paths
 
 
+def _masked_crc32c(data: bytes) -> int:
+  from tensorboard.compat.tensorflow_stub import pywrap_tensorflow  # pylint: disable=g-import-not-at-top
+  return pywrap_tensorflow.masked_crc32c(data)
+
+
+def _not_events(path: str, what: str) -> UsageError:
+  return UsageError(f'{path} {what}; move it out of the run\'s tensorboard '
+                    'directory to resume without its events')
+
+
+def _is_cut_off_record(tail: bytes) -> bool:
+  """Whether `tail` (the bytes after the last complete record) is the start
+  of a record whose write was cut off: too short for its header, or a
+  header whose CRC checks that promises more bytes than there are."""
+  if len(tail) < _RECORD_HEADER_BYTES:
+    return True
+  length_bytes = tail[:8]
+  (crc,) = struct.unpack('<I', tail[8:12])
+  if crc != _masked_crc32c(length_bytes):
+    return False
+  (length,) = struct.unpack('<Q', length_bytes)
+  return _RECORD_FRAMING_BYTES + length > len(tail)
+
+
+def _is_cut_off_first_record(tail: bytes) -> bool:
+  """Whether `tail`, a file without a complete record, is the start of the
+  first record TF's EventsWriter writes (a kill or a full disk while the
+  file was being made), rather than some other file's bytes."""
+  if not tail:
+    return True
+  header = tail[:8]
+  # A little-endian length below _MAX_FIRST_RECORD_BYTES.
+  if any(header[2:]) or (len(header) > 1 and
+                         header[0] + 256 * header[1] >=
+                         _MAX_FIRST_RECORD_BYTES):
+    return False
+  if not _is_cut_off_record(tail):
+    return False
+  data = tail[_RECORD_HEADER_BYTES:]
+  offset = 0
+  for part in _FIRST_EVENT_PREFIX:
+    if isinstance(part, int):
+      offset += part
+      continue
+    present = data[offset:offset + len(part)]
+    if present != part[:len(present)]:
+      return False
+    offset += len(part)
+  return True
+
+
 def read_events(path: str) -> tuple[list[bytes], bool]:
-  """(the file's records, whether it ended in a cut-off record)."""
+  """(the file's records, whether it ended in a cut-off record: a write
+  that was cut off). UsageError if the file is damaged elsewhere (a record
+  whose checksum fails, followed by more data) or is not an events file
+  (its first record is not TF's file-version event). An empty file has no
+  records."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.util import event_pb2  # pylint: disable=g-import-not-at-top
+  if os.path.isdir(path):
+    raise _not_events(path, 'is a directory')
   records = []
   try:
     for record in tf.data.TFRecordDataset(path):
       records.append(record.numpy())
   except tf.errors.DataLossError:
-    return records, True
-  # A tail shorter than a record header is skipped silently by the reader.
+    pass  # Where and why the reader stopped is found below.
+  with open(path, 'rb') as f:
+    data = f.read()
   framed = sum(len(r) + _RECORD_FRAMING_BYTES for r in records)
-  return records, framed != os.path.getsize(path)
+  tail = data[framed:]
+  if not records:
+    if tail and not _is_cut_off_first_record(tail):
+      raise _not_events(path, 'is not a TensorBoard events file (its first '
+                        'record is not an event)')
+    return records, bool(tail)
+  if tail and not _is_cut_off_record(tail):
+    raise _not_events(
+        path, f'is damaged at byte {framed} (record {len(records) + 1}) '
+        f'with {len(tail)} bytes from there: not a cut-off last record, '
+        'which is all a killed write leaves')
+  try:
+    first = event_pb2.Event.FromString(records[0])
+  except Exception:  # pylint: disable=broad-except
+    first = None
+  if first is None or not first.file_version.startswith('brain.Event:'):
+    raise _not_events(path, 'is not a TensorBoard events file (it does not '
+                      'start with a file-version event)')
+  for number, record in enumerate(records[1:], start=2):
+    try:
+      event_pb2.Event.FromString(record)
+    except Exception as e:  # pylint: disable=broad-except
+      raise _not_events(path, f'record {number} is not an event') from e
+  return records, bool(tail)
+
+
+def check_tensorboard(directory: str) -> None:
+  """UsageError if an events file under `directory` is damaged other than
+  by a cut-off last record, or is not one this pipeline wrote (see
+  `read_events`). Writes nothing."""
+  for path in event_files(directory):
+    read_events(path)
 
 
 def trim_tensorboard(directory: str, last_round: int) -> None:
   """Removes events of steps (rounds) after `last_round` from every event
-  file under `directory`, and cut-off last records."""
+  file under `directory`, and cut-off last records; a file whose only
+  record was cut off is removed. Checks every file first (UsageError,
+  nothing changed: `check_tensorboard`)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tensorflow.core.util import event_pb2  # pylint: disable=g-import-not-at-top
-  for path in event_files(directory):
-    records, cut_off = read_events(path)
+  contents = [(path, *read_events(path)) for path in event_files(directory)]
+  for path, records, cut_off in contents:
     keep = [r for r in records
             if event_pb2.Event.FromString(r).step <= last_round]
     if len(keep) == len(records) and not cut_off:
+      continue
+    if not records:
+      os.remove(path)
+      logging.warning('%s: removed, its only record was cut off mid-write',
+                      path)
       continue
     staging = path + '.staging'
     with tf.io.TFRecordWriter(staging) as writer:

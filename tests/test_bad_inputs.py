@@ -10,9 +10,11 @@ case's outcome.
 import concurrent.futures
 import contextlib
 import dataclasses
+import glob
 import json
 import os
 import shutil
+import struct
 import subprocess
 from typing import Callable, Optional
 
@@ -22,8 +24,8 @@ import pytest
 import fault_testlib as lib
 
 RECOVERY = 'fix that and re-run the same command (what was written before is kept)'
-NOT_METRICS = ('; it is not a metrics file of this pipeline: move it away to '
-               'resume without its rows')
+NOT_METRICS = ('; it is not a metrics file of this pipeline: restore it, or '
+               'use a new --experiment_name')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,39 @@ def in_new_directory(directory, name, content):
   def setup(p):
     os.makedirs(os.path.join(p.root, directory))
     write(os.path.join(directory, name), content)(p)
+  return setup
+
+
+def events_file(p):
+  return glob.glob(os.path.join(p.base, 'tensorboard', 'events.out.*'))[0]
+
+
+def second_event_record(p):
+  """(the events file, its second record's offset, the file's size)."""
+  path = events_file(p)
+  with open(path, 'rb') as f:
+    data = f.read()
+  return path, 16 + struct.unpack('<Q', data[:8])[0], len(data)
+
+
+def damage_second_event_record(p):
+  path, offset, _ = second_event_record(p)
+  with open(path, 'rb+') as f:
+    f.seek(offset + 8)  # The CRC of its length.
+    f.write(b'\xff' * 4)
+
+
+def damaged_events_message(p):
+  path, offset, size = second_event_record(p)
+  return (f'{path} is damaged at byte {offset} (record 2) with '
+          f'{size - offset} bytes from there: not a cut-off last record, '
+          'which is all a killed write leaves; move it out of the run\'s '
+          'tensorboard directory to resume without its events')
+
+
+def remove(relative):
+  def setup(p):
+    os.remove(os.path.join(p.root, relative))
   return setup
 
 
@@ -339,6 +374,14 @@ CASES = [
     Case('metrics_a_directory', 'train', resume_base(),
          lambda p: f'{p.base}/metrics.csv is a directory' + NOT_METRICS,
          setup=replace_with_directory('base/metrics.csv')),
+    Case('metrics_missing', 'train', resume_base(),
+         lambda p: f'{p.base}/metrics.csv is missing, but the run has '
+         'checkpoint round 3: the rows of rounds 1-3 are lost; restore the '
+         'file, or use a new --experiment_name (the run cannot record those '
+         'rounds again)',
+         setup=remove('base/metrics.csv')),
+    Case('events_damaged_mid_file', 'train', resume_base(),
+         damaged_events_message, setup=damage_second_event_record),
     Case('checkpoint_round_missing', 'evaluate',
          of_base('--checkpoint_round=7'),
          lambda p: f'--checkpoint_round=7: {p.base}/checkpoints has no '

@@ -94,8 +94,11 @@ def test_outputs_and_export(fedavg, task, tmp_path):
   result = run(fedavg, task, tmp_path, 'outputs', 1)
   run_dir = tmp_path / 'outputs'
   assert (run_dir / 'hparams.json').is_file()
-  assert any(name.startswith('events.out.tfevents')
-             for name in os.listdir(run_dir / 'tensorboard'))
+  events = os.listdir(run_dir / 'tensorboard')
+  assert len(events) == 1 and events[0].startswith('events.out.tfevents')
+  # Re-running the finished run runs no round: no new (empty) events file.
+  run(fedavg, task, tmp_path, 'outputs', 1, export=False)
+  assert os.listdir(run_dir / 'tensorboard') == events
   loaded = tf.saved_model.load(str(run_dir / 'export'))
   images = np.random.default_rng(0).uniform(0, 255, [2, 84, 84, 3])
   served = loaded.signatures['serving_default'](

@@ -92,6 +92,7 @@ def test_allowed_changes_are_recorded(tmp_path):
   assert written['flag_changes'] == [
       {'from_round': 2, 'changes': {'seed': {'run': 0, 'now': 1}}}]
   # A second change appends; the recorded history is not compared.
+  (tmp_path / 'metrics.csv').write_text(HEADER + rows(1, 2, 3, 4))
   plan = run_directory.check_resume(
       str(tmp_path), 4, {**STORED, 'seed': 2}, allow_flag_changes=True)
   run_directory.finish_resume(str(tmp_path), plan)
@@ -179,9 +180,63 @@ def test_damaged_metrics_are_refused(tmp_path, content, message):
   with pytest.raises(UsageError) as error:
     run_logs.trim_metrics(str(path), 3)
   assert str(error.value) == (
-      f'{path} {message}; it is not a metrics file of this pipeline: move it '
-      'away to resume without its rows')
+      f'{path} {message}; it is not a metrics file of this pipeline: restore '
+      'it, or use a new --experiment_name')
   assert path.read_text() == content
+
+
+@pytest.mark.parametrize('content, last_round, problem', [
+    (None, 6, ' is missing, but the run has checkpoint round 6: the rows of '
+     'rounds 1-6 are lost'),
+    (HEADER, 1, ': the row of round 1 is missing, up to checkpoint round 1'),
+    (HEADER + rows(1, 2, 3), 6,
+     ': the rows of rounds 4-6 are missing, up to checkpoint round 6'),
+    (HEADER + rows(1, 2) + '3,0.', 6,
+     ': the rows of rounds 3-6 are missing (the row of round 3 was cut off '
+     'mid-write), up to checkpoint round 6'),
+    (HEADER + rows(1, 2, 4, 5, 6), 6,
+     ': the row of round 3 is missing, up to checkpoint round 6'),
+    (HEADER + rows(1, 2, 2, 3, 4, 5, 6), 6,
+     ': line 4 repeats the row of round 2, up to checkpoint round 6'),
+    (HEADER + rows(1, 2, 3, 4, 5, 6, 7, 4), 6,
+     ': line 9 repeats the row of round 4, up to checkpoint round 6'),
+    (HEADER + rows(1, 3, 2, 4), 4,
+     ': its rows are out of order (line 3 holds round 3 where round 2 '
+     'belongs), up to checkpoint round 4'),
+])
+def test_metrics_without_one_row_per_checkpointed_round_are_refused(
+    tmp_path, content, last_round, problem):
+  """Rows a kill cannot lose: the resume would record those rounds never or
+  twice. Refused before anything changes."""
+  write_run(tmp_path, metrics=content or '')
+  if content is None:
+    os.remove(tmp_path / 'metrics.csv')
+  before = lib.tree_digest(str(tmp_path))
+  with pytest.raises(UsageError) as error:
+    run_directory.check_resume(str(tmp_path), last_round, STORED)
+  assert str(error.value) == (
+      f'{tmp_path / "metrics.csv"}{problem}; restore the file, or use a new '
+      '--experiment_name (the run cannot record those rounds again)')
+  with pytest.raises(UsageError):
+    run_logs.trim_metrics(str(tmp_path / 'metrics.csv'), last_round)
+  assert lib.tree_digest(str(tmp_path)) == before
+
+
+def test_metrics_missing_before_the_first_round_is_fine(tmp_path):
+  # Killed after checkpoint 0, before round 1 was logged.
+  write_run(tmp_path)
+  os.remove(tmp_path / 'metrics.csv')
+  run_directory.finish_resume(
+      str(tmp_path), run_directory.check_resume(str(tmp_path), 0, STORED))
+  assert not (tmp_path / 'metrics.csv').exists()
+
+
+def test_an_unparsable_row_names_the_round_before_it(tmp_path):
+  path = tmp_path / 'metrics.csv'
+  path.write_text(HEADER + rows(1, 2) + 'zz\n' + rows(4))
+  with pytest.raises(UsageError, match=r'line 4 \(after the row of round 2\) '
+                     'is not a row of its columns'):
+    run_logs.trim_metrics(str(path), 4)
 
 
 def test_metrics_directory_is_refused(tmp_path):
@@ -224,6 +279,80 @@ def test_tensorboard_steps_after_the_checkpoint_are_removed(tmp_path):
   assert not run_logs.read_events(path)[1]
   write_events(tmp_path, [4, 5, 6])
   assert scalar_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def events_file(directory, steps):
+  write_events(directory, steps)
+  return run_logs.event_files(str(directory))[-1]
+
+
+def overwrite(path, offset, data):
+  with open(path, 'rb+') as f:
+    f.seek(offset)
+    f.write(data)
+
+
+def assert_refused_unchanged(run_dir, match):
+  before = lib.tree_digest(str(run_dir))
+  with pytest.raises(UsageError, match=match):
+    run_directory.check_resume(str(run_dir), 2, STORED)
+  with pytest.raises(UsageError, match=match):
+    run_logs.trim_tensorboard(str(run_dir / 'tensorboard'), 2)
+  assert lib.tree_digest(str(run_dir)) == before
+
+
+def test_events_damaged_before_the_last_record_are_refused(tmp_path):
+  # A kill only cuts the last record short; bytes changed in the middle
+  # are damage, and cutting the file there would lose the rounds after.
+  write_run(tmp_path)
+  path = events_file(tmp_path / 'tensorboard', [1, 2, 3, 4])
+  records, _ = run_logs.read_events(path)
+  second = len(records[0]) + 16  # The first scalar's record.
+  overwrite(path, second + 14, b'\xff' * 6)
+  assert_refused_unchanged(
+      tmp_path, f'^{path} is damaged at byte {second} \\(record 2\\) with '
+      r'\d+ bytes from there: not a cut-off last record.*without its events$')
+  # The last record complete but wrong is damage too, not a cut-off write.
+  overwrite(path, second + 14, records[1][2:8])
+  assert run_logs.read_events(path) == (records, False)
+  overwrite(path, os.path.getsize(path) - 6, b'\x00\x01')
+  assert_refused_unchanged(tmp_path, 'is damaged at byte')
+
+
+@pytest.mark.parametrize('content', [
+    b'not an events file\n' * 20, b'abc', b'\x00' * 40,
+    # A TFRecord file, but not of events.
+    None,
+])
+def test_foreign_events_files_are_refused_not_truncated(tmp_path, content):
+  write_run(tmp_path)
+  path = tmp_path / 'tensorboard' / 'events.out.tfevents.123.host'
+  path.parent.mkdir()
+  if content is None:
+    with tf.io.TFRecordWriter(str(path)) as writer:
+      writer.write(b'some record')
+  else:
+    path.write_bytes(content)
+  before = lib.tree_digest(str(tmp_path))
+  with pytest.raises(UsageError, match=f'^{path} is not a TensorBoard events '
+                     'file .*; move it out of the run\'s tensorboard '
+                     'directory to resume without its events$'):
+    run_directory.check_resume(str(tmp_path), None, None)
+  with pytest.raises(UsageError):
+    run_logs.trim_tensorboard(str(tmp_path / 'tensorboard'), 0)
+  assert lib.tree_digest(str(tmp_path)) == before
+
+
+def test_a_cut_off_first_record_is_removed_an_empty_file_kept(tmp_path):
+  # A kill (or a full disk) while TF made the file: nothing of ours is lost.
+  path = events_file(tmp_path, [1])
+  first = open(path, 'rb').read()[:30]
+  for size in (0, 5, 12, 30):
+    with open(path, 'wb') as f:
+      f.write(first[:size])
+    run_logs.check_tensorboard(str(tmp_path))
+    run_logs.trim_tensorboard(str(tmp_path), 0)
+    assert os.path.exists(path) == (size == 0)
 
 
 def test_cut_off_writes_are_removed(tmp_path):
