@@ -288,16 +288,10 @@ def _require_own_store(directory: str, run_dir: str) -> None:
   store = os.path.realpath(directory)
   run = os.path.realpath(run_dir)
   flag = f'the client-state store {directory} (--client_state_dir)'
-  ancestor = os.path.dirname(store)
-  while True:
-    if ancestor != run and os.path.isfile(
-        os.path.join(ancestor, run_directory.HPARAMS_FILE)):
-      raise UsageError(f'{flag} lies inside the run directory {ancestor}; '
-                       'give each run a store of its own')
-    parent = os.path.dirname(ancestor)
-    if parent == ancestor:
-      break
-    ancestor = parent
+  other_run = run_directory.enclosing_run_dir(store, run)
+  if other_run is not None:
+    raise UsageError(f'{flag} lies inside the run directory {other_run}; '
+                     'give each run a store of its own')
   owner = _store_owner(store)
   default = store == os.path.join(run, CLIENT_STATE_DIR)
   if owner is not None and owner != run and not default:
@@ -497,6 +491,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
   resume = run_directory.check_resume(run_dir, start_round, hparams,
                                       config.allow_flag_changes,
                                       hparams_defaults)
+  if config.export:  # Refused now, not after the last round.
+    export_lib.check_replaceable(os.path.join(run_dir, export_lib.EXPORT_DIR))
 
   formats = state_format(definition, config.state_dir)
   if formats:

@@ -66,6 +66,20 @@ def nearest_existing_path(path: str) -> str:
   return existing
 
 
+def enclosing_run_dir(path: str, own_run: str) -> Optional[str]:
+  """The nearest directory above `path` (both real paths) that is a run
+  directory (it holds hparams.json) other than `own_run`, else None."""
+  ancestor = os.path.dirname(path)
+  while True:
+    if ancestor != own_run and os.path.isfile(
+        os.path.join(ancestor, HPARAMS_FILE)):
+      return ancestor
+    parent = os.path.dirname(ancestor)
+    if parent == ancestor:
+      return None
+    ancestor = parent
+
+
 def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   """`<root>/<name>`; UsageError if the name would leave the root."""
   name = experiment_name or ''

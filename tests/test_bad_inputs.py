@@ -118,17 +118,34 @@ def garble_export(p):
     f.write(b'garbage')
 
 
-def damaged_local_models(p):
+def copy_fedres_export(p, inputs=np.zeros([2, 10], np.float32)):
+  """The FedRes run's export copied to <root>/fedres_export, and `inputs`
+  to <root>/inputs.npy; returns the copy's local-model store."""
   lib.copy_run(os.path.join(p.fedres, 'export'),
                os.path.join(p.root, 'fedres_export'))
-  with open(os.path.join(p.root, 'fedres_export', 'local_models.sqlite'),
-            'wb') as f:
+  np.save(os.path.join(p.root, 'inputs.npy'), inputs)
+  return os.path.join(p.root, 'fedres_export', 'local_models.sqlite')
+
+
+def damaged_local_models(p):
+  with open(copy_fedres_export(p), 'wb') as f:
     f.write(b'garbage' * 100)
-  np.save(os.path.join(p.root, 'inputs.npy'), np.zeros([2, 10], np.float32))
+
+
+def export_with_a_file_of_the_user(p):
+  lib.copy_run(os.path.join(p.base, 'export'), os.path.join(p.root, 'mine'))
+  write('mine/NOTES.txt', 'mine')(p)
 
 
 def wrongly_shaped_inputs(p):
   np.save(os.path.join(p.root, 'inputs.npy'), np.zeros([2, 3, 4]))
+
+
+def serve(export_dir, inputs='inputs.npy'):
+  """serve_personalized's flags for client 0: `export_dir` and `inputs`
+  relative to the root (the FedRes run's export: 'fedres/export')."""
+  return lambda p: [f'--export_dir={p.root}/{export_dir}', '--client_id=0',
+                    f'--inputs_npy={p.root}/{inputs}']
 
 
 def lock_held(p):
@@ -301,22 +318,30 @@ CASES = [
          lambda p: f'--export_dir={p.root}/garbled is not a readable export '
          'of this pipeline (OSError)', setup=garble_export),
     Case('serve_wrongly_shaped_input', 'serve_personalized',
-         lambda p: [f'--export_dir={p.fedres}/export', '--client_id=0',
-                    f'--inputs_npy={p.root}/inputs.npy'],
+         serve('fedres/export'),
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
          '[2, 3, 4] and dtype float64 do not fit the export\'s `features` '
          '(shape [None, 10], dtype float32)', setup=wrongly_shaped_inputs),
     Case('serve_empty_input_file', 'serve_personalized',
-         lambda p: [f'--export_dir={p.fedres}/export', '--client_id=0',
-                    f'--inputs_npy={p.root}/empty.npy'],
+         serve('fedres/export', 'empty.npy'),
          lambda p: f'--inputs_npy={p.root}/empty.npy is not a .npy array: '
          'No data left in file', setup=write('empty.npy', b'')),
     Case('serve_damaged_local_models', 'serve_personalized',
-         lambda p: [f'--export_dir={p.root}/fedres_export', '--client_id=0',
-                    f'--inputs_npy={p.root}/inputs.npy'],
+         serve('fedres_export'),
          lambda p: f'{p.root}/fedres_export/local_models.sqlite is not a '
          'local-model store of a FedRes export (file is not a database)',
          setup=damaged_local_models),
+    Case('export_into_another_runs_export', 'export',
+         of_base(lambda p: f'--export_dir={p.fedres}/export'),
+         lambda p: f'--export_dir={p.fedres}/export is inside the directory '
+         f'of another run, {os.path.realpath(p.fedres)}; export outside run '
+         'directories'),
+    Case('export_over_a_file_of_the_user', 'export',
+         of_base(lambda p: f'--export_dir={p.root}/mine'),
+         lambda p: f'--export_dir={p.root}/mine holds NOTES.txt, which is not '
+         'part of an export of this pipeline: replacing the export would lose '
+         'it; move it away, or choose a new or empty directory',
+         setup=export_with_a_file_of_the_user),
     Case('export_over_the_run', 'export',
          of_base(lambda p: f'--export_dir={p.base}'),
          lambda p: f'--export_dir={p.base} would replace the run directory '
@@ -353,8 +378,8 @@ CASES = [
          lambda p: f'{p.base}/evaluation_round_3.json: Read-only file system; '
          f'{RECOVERY}', status=3, during=read_only_root),
     Case('read_only_export', 'export', of_base(),
-         lambda p: f'{p.base}/export.staging: Read-only file system; '
-         f'{RECOVERY}', status=3, during=read_only_root),
+         lambda p: f'{p.base}: Read-only file system; {RECOVERY}', status=3,
+         during=read_only_root),
 ]
 
 
