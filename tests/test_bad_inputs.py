@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 from typing import Callable, Optional
 
@@ -130,6 +131,17 @@ def copy_fedres_export(p, inputs=np.zeros([2, 10], np.float32)):
 def damaged_local_models(p):
   with open(copy_fedres_export(p), 'wb') as f:
     f.write(b'garbage' * 100)
+
+
+def corrupted_local_weights(p):
+  with contextlib.closing(sqlite3.connect(copy_fedres_export(p))) as db:
+    with db:
+      db.execute("INSERT OR REPLACE INTO local_models VALUES ('0', "
+                 "x'00010203')")
+
+
+def non_finite_inputs(p):
+  copy_fedres_export(p, np.array([[np.nan] * 10, [np.inf] * 10], np.float32))
 
 
 def export_with_a_file_of_the_user(p):
@@ -331,6 +343,17 @@ CASES = [
          lambda p: f'{p.root}/fedres_export/local_models.sqlite is not a '
          'local-model store of a FedRes export (file is not a database)',
          setup=damaged_local_models),
+    Case('serve_corrupted_local_weights', 'serve_personalized',
+         serve('fedres_export'),
+         lambda p: f'{p.root}/fedres_export/local_models.sqlite: the local '
+         "model of client '0' is 4 bytes, not 20 float32 values: the file is "
+         'damaged', setup=corrupted_local_weights),
+    # Their predictions were NaN, printed as JSON no parser accepts.
+    Case('serve_non_finite_inputs', 'serve_personalized',
+         serve('fedres_export'),
+         lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs hold 20 '
+         'non-finite value(s) (NaN or inf); predictions need finite inputs',
+         setup=non_finite_inputs),
     Case('export_into_another_runs_export', 'export',
          of_base(lambda p: f'--export_dir={p.fedres}/export'),
          lambda p: f'--export_dir={p.fedres}/export is inside the directory '

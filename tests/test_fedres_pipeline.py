@@ -140,6 +140,30 @@ def test_export_serves_each_clients_personalized_model(two_round_run, task,
     fedres_export.PersonalizedServer(str(root))
 
 
+def test_serving_refuses_damaged_local_models_and_non_finite_inputs(
+    two_round_run, tmp_path):
+  root, _ = two_round_run
+  export_dir = shutil.copytree(os.path.join(root, 'run', 'export'),
+                               tmp_path / 'export')
+  path = os.path.join(export_dir, fedres_export.LOCAL_MODELS_FILE)
+  with sqlite3.connect(path) as db:
+    client = db.execute('SELECT client_id FROM local_models').fetchone()[0]
+    db.execute("UPDATE local_models SET local_weights = x'00010203' WHERE "
+               'client_id = ?', (client,))
+  server = fedres_export.PersonalizedServer(str(export_dir))
+  x = np.zeros([2, 10], np.float32)
+  with pytest.raises(UsageError) as error:
+    server(client, x)
+  assert str(error.value) == (
+      f'{path}: the local model of client {client!r} is 4 bytes, not 20 '
+      'float32 values: the file is damaged')
+  x[0, 1], x[1, 2] = np.nan, -np.inf
+  with pytest.raises(UsageError) as error:
+    server.check_inputs(x)
+  assert str(error.value) == ('inputs hold 2 non-finite value(s) (NaN or '
+                              'inf); predictions need finite inputs')
+
+
 def test_training_keeps_what_its_export_did_not_write(tmp_path, task,
                                                       algorithm):
   run = tmp_path / 'run'
