@@ -6,7 +6,9 @@
 A FedRes run's export also holds the personal models of the checkpoint (as
 training's own export does). The export replaces only an earlier export:
 --export_dir may not be the run directory or inside it (other than its
-export/), hold a run, or hold anything but an export.
+export/), lie inside another run's directory, hold a run, or hold anything
+an export of this pipeline does not write. Nothing but the replaced export
+is deleted (the new one is staged in a directory of a unique name).
 """
 
 import os

@@ -4,7 +4,7 @@
       --client_id=42 --inputs_npy=inputs.npy
 
 `inputs.npy` holds a batch of the task's serving input (e.g. movie ids for
-movielens_ratings). Prints the predictions as JSON. A client without a stored
+movielens_ratings), finite values only. Prints the predictions as JSON. A client without a stored
 local model gets the initial one (the global prediction plus the initial
 local model's).
 """
@@ -42,8 +42,14 @@ def main(argv):
   except UsageError as e:
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy}: {e}') from e
   predictions = server(FLAGS.client_id, inputs)
+  if not all(np.all(np.isfinite(value)) for value in predictions.values()):
+    # Finite inputs so large that the model overflows; not valid JSON.
+    raise UsageError(f'--inputs_npy={FLAGS.inputs_npy}: the predictions for '
+                     f'client {FLAGS.client_id!r} are not finite (NaN or '
+                     'inf); the inputs are too large for the model')
   print(json.dumps({name: value.tolist()
-                    for name, value in predictions.items()}))
+                    for name, value in predictions.items()},
+                   allow_nan=False))
 
 
 if __name__ == '__main__':

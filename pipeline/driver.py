@@ -303,16 +303,10 @@ def _require_own_store(directory: str, run_dir: str) -> None:
   if run.startswith(store + os.sep):
     raise UsageError(f'{flag} holds the run directory {run}; name a '
                      'directory of its own')
-  ancestor = os.path.dirname(store)
-  while True:
-    if ancestor != run and os.path.isfile(
-        os.path.join(ancestor, run_directory.HPARAMS_FILE)):
-      raise UsageError(f'{flag} lies inside the run directory {ancestor}; '
-                       'give each run a store of its own')
-    parent = os.path.dirname(ancestor)
-    if parent == ancestor:
-      break
-    ancestor = parent
+  other_run = run_directory.enclosing_run_dir(store, run)
+  if other_run is not None:
+    raise UsageError(f'{flag} lies inside the run directory {other_run}; '
+                     'give each run a store of its own')
   owner = _store_owner(store)
   if owner is not None and owner != run and not default:
     raise UsageError(f'{flag} is the store of the run {owner}; give each run '
@@ -526,6 +520,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
   resume = run_directory.check_resume(run_dir, start_round, hparams,
                                       config.allow_flag_changes,
                                       hparams_defaults, hparams_unused)
+  if config.export:  # Refused now, not after the last round.
+    export_lib.check_replaceable(os.path.join(run_dir, export_lib.EXPORT_DIR))
 
   formats = state_format(definition, config.state_dir)
   if formats:

@@ -1,7 +1,10 @@
 """Export of the global model as a SavedModel with `serving_default`."""
 
+import contextlib
 import os
+import re
 import shutil
+import tempfile
 from typing import Callable, Optional
 
 import numpy as np
@@ -9,6 +12,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline import evaluation
+from pipeline import run_directory
 from pipeline.errors import UsageError
 from tasks import base
 
@@ -16,16 +20,79 @@ EXPORT_DIR = 'export'
 # Files that make a directory a run rather than an export.
 _RUN_ENTRIES = ('checkpoints', 'metrics.csv', 'hparams.json')
 
+# What an export of this pipeline holds: a SavedModel as
+# tf.saved_model.save writes it, plus (FedRes,
+# tff_algos/algorithms/fedres/export.py) the local-model store and a second
+# SavedModel in personalized/. Anything else in an export directory is not
+# this pipeline's, and replacing the directory would lose it.
+_VARIABLES = re.compile(r'variables\.(index|data-\d{5}-of-\d{5})$')
+_SAVED_MODEL = {'saved_model.pb': None, 'fingerprint.pb': None,
+                'variables': {_VARIABLES: None}, 'assets': {}}
+_EXPORT_LAYOUT = {**_SAVED_MODEL, 'local_models.sqlite': None,
+                  'personalized': _SAVED_MODEL}
+
 
 def _is_within(path: str, directory: str) -> bool:
   return os.path.commonpath([path, directory]) == directory
 
 
+def _layout_entry(layout: dict, name: str):
+  """(True, what `name` is in `layout`: None for a file, a dict for a
+  directory) or (False, None) if an export holds no such entry."""
+  for key, value in layout.items():
+    if key == name if isinstance(key, str) else key.match(name):
+      return True, value
+  return False, None
+
+
+def _foreign_entry(directory: str, layout: dict = _EXPORT_LAYOUT
+                   ) -> Optional[str]:
+  """The relative path of something in `directory` that an export of this
+  pipeline does not write (a symbolic link never is), else None."""
+  for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+    known, inner = _layout_entry(layout, entry.name)
+    is_dir = entry.is_dir(follow_symlinks=False)
+    if (not known or entry.is_symlink() or is_dir != (inner is not None) or
+        not (is_dir or entry.is_file(follow_symlinks=False))):
+      return entry.name
+    if is_dir:
+      foreign = _foreign_entry(entry.path, inner)
+      if foreign is not None:
+        return os.path.join(entry.name, foreign)
+  return None
+
+
+def check_replaceable(export_dir: str, label: Optional[str] = None) -> None:
+  """UsageError unless `export_dir` is absent or an export directory holding
+  nothing but what an export of this pipeline writes, so replacing it loses
+  nothing else. `label` names it in the message (default: its path)."""
+  label = label or export_dir
+  if not os.path.lexists(export_dir):
+    return
+  if os.path.islink(export_dir):
+    raise UsageError(f'{label} is a symbolic link; give the directory it '
+                     'stands for')
+  if not os.path.isdir(export_dir):
+    raise UsageError(f'{label} is a file, not a directory')
+  entries = os.listdir(export_dir)
+  if any(name in entries for name in _RUN_ENTRIES):
+    raise UsageError(f'{label} holds a run ({", ".join(_RUN_ENTRIES)}); '
+                     'choose a new directory')
+  foreign = _foreign_entry(export_dir)
+  if foreign is not None:
+    raise UsageError(f'{label} holds {foreign}, which is not part of an '
+                     'export of this pipeline: replacing the export would '
+                     'lose it; move it away' + (
+                         ', or choose a new or empty directory'
+                         if label != export_dir else ''))
+
+
 def check_export_dir(export_dir: str, run_dir: str) -> None:
   """UsageError unless writing an export to `export_dir` replaces nothing but
   an earlier export: not the run directory, a directory holding it, a place
-  inside it other than its own export/, a run's directory, or a directory
-  that holds something else."""
+  inside it other than its own export/, a place inside another run's
+  directory, a run's directory, or a directory that holds anything an
+  export does not (`check_replaceable`)."""
   target = os.path.realpath(export_dir)
   run = os.path.realpath(run_dir)
   own = os.path.join(run, EXPORT_DIR)
@@ -36,18 +103,23 @@ def check_export_dir(export_dir: str, run_dir: str) -> None:
   if _is_within(target, run) and target != own:
     raise UsageError(f'{flag} is inside the run directory {run_dir}; export '
                      f'to its {EXPORT_DIR}/ (the default) or outside it')
-  if not os.path.lexists(target):
-    return
-  if not os.path.isdir(target):
-    raise UsageError(f'{flag} is a file, not a directory')
-  entries = os.listdir(target)
-  if any(name in entries for name in _RUN_ENTRIES):
-    raise UsageError(f'{flag} holds a run ({", ".join(_RUN_ENTRIES)}); '
-                     'choose a new directory')
-  if entries and 'saved_model.pb' not in entries:
-    raise UsageError(f'{flag} exists and is not an export (no '
-                     'saved_model.pb) - it would be replaced; choose a new '
-                     'or empty directory')
+  other_run = run_directory.enclosing_run_dir(target, run)
+  if other_run is not None:
+    raise UsageError(f'{flag} is inside the directory of another run, '
+                     f'{other_run}; export outside run directories')
+  check_replaceable(export_dir, flag)
+
+
+def _staging_dir(export_dir: str) -> str:
+  """A new directory beside `export_dir`, named `<name>.<random>.staging`
+  (a resume of a run removes one its export left in the run directory)."""
+  parent, name = os.path.split(export_dir)
+  os.makedirs(parent, exist_ok=True)  # An unwritable place fails here.
+  try:
+    return tempfile.mkdtemp(prefix=f'{name}.', suffix='.staging', dir=parent)
+  except OSError as e:
+    # Named by its directory: the random name would tell the user nothing.
+    raise OSError(e.errno, e.strerror, parent) from e
 
 
 def export_saved_model(
@@ -57,8 +129,14 @@ def export_saved_model(
   """Writes the model to `export_dir`, replacing an older export atomically.
 
   `write_more(directory)` adds files (e.g. personal models) to the new export
-  before it replaces the old one, so an export is complete or absent.
+  before it replaces the old one, so an export is complete or absent. Only
+  an export may be replaced (`check_replaceable`, UsageError otherwise), and
+  nothing is deleted but what this call wrote and the export it replaces:
+  the new export is written in a directory of a new, unique name beside
+  `export_dir`.
   """
+  export_dir = os.path.abspath(export_dir)
+  check_replaceable(export_dir)
   model = evaluation.keras_model_with_weights(task, weights)
   serving = task.serving
   module = tf.Module()
@@ -76,19 +154,29 @@ def export_saved_model(
         model(serving.preprocess(inputs), training=False)))
 
   module.serve = serve
-  export_dir = os.path.abspath(export_dir)
-  staging = export_dir + '.staging'
-  retired = export_dir + '.old'
-  for path in (staging, retired):
-    shutil.rmtree(path, ignore_errors=True)
-  os.makedirs(staging)  # An unwritable place fails here, with its path.
-  tf.saved_model.save(module, staging, signatures={'serving_default': serve})
-  if write_more is not None:
-    write_more(staging)
-  if os.path.exists(export_dir):
-    os.rename(export_dir, retired)
-  os.rename(staging, export_dir)
-  shutil.rmtree(retired, ignore_errors=True)
+  staging = _staging_dir(export_dir)
+  new = os.path.join(staging, 'new')
+  retired = os.path.join(staging, 'old')
+  try:
+    tf.saved_model.save(module, new, signatures={'serving_default': serve})
+    if write_more is not None:
+      write_more(new)
+    check_replaceable(export_dir)  # Again: it may have changed meanwhile.
+    if os.path.lexists(export_dir):
+      os.rename(export_dir, retired)
+    try:
+      os.rename(new, export_dir)
+    except BaseException:
+      if os.path.lexists(retired):
+        os.rename(retired, export_dir)
+      raise
+  except BaseException:
+    # Only what this call wrote; an old export it could not put back stays.
+    shutil.rmtree(new, ignore_errors=True)
+    with contextlib.suppress(OSError):
+      os.rmdir(staging)
+    raise
+  shutil.rmtree(staging)
   return export_dir
 
 

@@ -69,6 +69,20 @@ def nearest_existing_path(path: str) -> str:
   return existing
 
 
+def enclosing_run_dir(path: str, own_run: str) -> Optional[str]:
+  """The nearest directory above `path` (both real paths) that is a run
+  directory (it holds hparams.json) other than `own_run`, else None."""
+  ancestor = os.path.dirname(path)
+  while True:
+    if ancestor != own_run and os.path.isfile(
+        os.path.join(ancestor, HPARAMS_FILE)):
+      return ancestor
+    parent = os.path.dirname(ancestor)
+    if parent == ancestor:
+      return None
+    ancestor = parent
+
+
 # A file name's limit in bytes on Linux's file systems (ext4, xfs, tmpfs).
 NAME_MAX_BYTES = 255
 

@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import shutil
+import sqlite3
 import struct
 import subprocess
 from typing import Callable, Optional
@@ -153,17 +154,45 @@ def garble_export(p):
     f.write(b'garbage')
 
 
-def damaged_local_models(p):
+def copy_fedres_export(p, inputs=np.zeros([2, 10], np.float32)):
+  """The FedRes run's export copied to <root>/fedres_export, and `inputs`
+  to <root>/inputs.npy; returns the copy's local-model store."""
   lib.copy_run(os.path.join(p.fedres, 'export'),
                os.path.join(p.root, 'fedres_export'))
-  with open(os.path.join(p.root, 'fedres_export', 'local_models.sqlite'),
-            'wb') as f:
+  np.save(os.path.join(p.root, 'inputs.npy'), inputs)
+  return os.path.join(p.root, 'fedres_export', 'local_models.sqlite')
+
+
+def damaged_local_models(p):
+  with open(copy_fedres_export(p), 'wb') as f:
     f.write(b'garbage' * 100)
-  np.save(os.path.join(p.root, 'inputs.npy'), np.zeros([2, 10], np.float32))
+
+
+def corrupted_local_weights(p):
+  with contextlib.closing(sqlite3.connect(copy_fedres_export(p))) as db:
+    with db:
+      db.execute("INSERT OR REPLACE INTO local_models VALUES ('0', "
+                 "x'00010203')")
+
+
+def non_finite_inputs(p):
+  copy_fedres_export(p, np.array([[np.nan] * 10, [np.inf] * 10], np.float32))
+
+
+def export_with_a_file_of_the_user(p):
+  lib.copy_run(os.path.join(p.base, 'export'), os.path.join(p.root, 'mine'))
+  write('mine/NOTES.txt', 'mine')(p)
 
 
 def wrongly_shaped_inputs(p):
   np.save(os.path.join(p.root, 'inputs.npy'), np.zeros([2, 3, 4]))
+
+
+def serve(export_dir, inputs='inputs.npy'):
+  """serve_personalized's flags for client 0: `export_dir` and `inputs`
+  relative to the root (the FedRes run's export: 'fedres/export')."""
+  return lambda p: [f'--export_dir={p.root}/{export_dir}', '--client_id=0',
+                    f'--inputs_npy={p.root}/{inputs}']
 
 
 def lock_held(p):
@@ -395,22 +424,41 @@ CASES = [
          lambda p: f'--export_dir={p.root}/garbled is not a readable export '
          'of this pipeline (OSError)', setup=garble_export),
     Case('serve_wrongly_shaped_input', 'serve_personalized',
-         lambda p: [f'--export_dir={p.fedres}/export', '--client_id=0',
-                    f'--inputs_npy={p.root}/inputs.npy'],
+         serve('fedres/export'),
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
          '[2, 3, 4] and dtype float64 do not fit the export\'s `features` '
          '(shape [None, 10], dtype float32)', setup=wrongly_shaped_inputs),
     Case('serve_empty_input_file', 'serve_personalized',
-         lambda p: [f'--export_dir={p.fedres}/export', '--client_id=0',
-                    f'--inputs_npy={p.root}/empty.npy'],
+         serve('fedres/export', 'empty.npy'),
          lambda p: f'--inputs_npy={p.root}/empty.npy is not a .npy array: '
          'No data left in file', setup=write('empty.npy', b'')),
     Case('serve_damaged_local_models', 'serve_personalized',
-         lambda p: [f'--export_dir={p.root}/fedres_export', '--client_id=0',
-                    f'--inputs_npy={p.root}/inputs.npy'],
+         serve('fedres_export'),
          lambda p: f'{p.root}/fedres_export/local_models.sqlite is not a '
          'local-model store of a FedRes export (file is not a database)',
          setup=damaged_local_models),
+    Case('serve_corrupted_local_weights', 'serve_personalized',
+         serve('fedres_export'),
+         lambda p: f'{p.root}/fedres_export/local_models.sqlite: the local '
+         "model of client '0' is 4 bytes, not 20 float32 values: the file is "
+         'damaged', setup=corrupted_local_weights),
+    # Their predictions were NaN, printed as JSON no parser accepts.
+    Case('serve_non_finite_inputs', 'serve_personalized',
+         serve('fedres_export'),
+         lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs hold 20 '
+         'non-finite value(s) (NaN or inf); predictions need finite inputs',
+         setup=non_finite_inputs),
+    Case('export_into_another_runs_export', 'export',
+         of_base(lambda p: f'--export_dir={p.fedres}/export'),
+         lambda p: f'--export_dir={p.fedres}/export is inside the directory '
+         f'of another run, {os.path.realpath(p.fedres)}; export outside run '
+         'directories'),
+    Case('export_over_a_file_of_the_user', 'export',
+         of_base(lambda p: f'--export_dir={p.root}/mine'),
+         lambda p: f'--export_dir={p.root}/mine holds NOTES.txt, which is not '
+         'part of an export of this pipeline: replacing the export would lose '
+         'it; move it away, or choose a new or empty directory',
+         setup=export_with_a_file_of_the_user),
     Case('export_over_the_run', 'export',
          of_base(lambda p: f'--export_dir={p.base}'),
          lambda p: f'--export_dir={p.base} would replace the run directory '
@@ -453,8 +501,8 @@ CASES = [
          lambda p: f'{p.base}/evaluation_round_3.json: Read-only file system; '
          f'{RECOVERY}', status=3, during=read_only_root),
     Case('read_only_export', 'export', of_base(),
-         lambda p: f'{p.base}/export.staging: Read-only file system; '
-         f'{RECOVERY}', status=3, during=read_only_root),
+         lambda p: f'{p.base}: Read-only file system; {RECOVERY}', status=3,
+         during=read_only_root),
 ]
 
 

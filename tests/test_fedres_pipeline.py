@@ -140,6 +140,51 @@ def test_export_serves_each_clients_personalized_model(two_round_run, task,
     fedres_export.PersonalizedServer(str(root))
 
 
+def test_serving_refuses_damaged_local_models_and_non_finite_inputs(
+    two_round_run, tmp_path):
+  root, _ = two_round_run
+  export_dir = shutil.copytree(os.path.join(root, 'run', 'export'),
+                               tmp_path / 'export')
+  path = os.path.join(export_dir, fedres_export.LOCAL_MODELS_FILE)
+  with sqlite3.connect(path) as db:
+    client = db.execute('SELECT client_id FROM local_models').fetchone()[0]
+    db.execute("UPDATE local_models SET local_weights = x'00010203' WHERE "
+               'client_id = ?', (client,))
+  server = fedres_export.PersonalizedServer(str(export_dir))
+  x = np.zeros([2, 10], np.float32)
+  with pytest.raises(UsageError) as error:
+    server(client, x)
+  assert str(error.value) == (
+      f'{path}: the local model of client {client!r} is 4 bytes, not 20 '
+      'float32 values: the file is damaged')
+  x[0, 1], x[1, 2] = np.nan, -np.inf
+  with pytest.raises(UsageError) as error:
+    server.check_inputs(x)
+  assert str(error.value) == ('inputs hold 2 non-finite value(s) (NaN or '
+                              'inf); predictions need finite inputs')
+
+
+def test_training_keeps_what_its_export_did_not_write(tmp_path, task,
+                                                      algorithm):
+  run = tmp_path / 'run'
+  (run / 'export').mkdir(parents=True)
+  (run / 'export' / 'NOTES.txt').write_text('mine')
+  (run / 'export.old').mkdir()  # A user's backup.
+  (run / 'export.old' / 'b.txt').write_text('mine')
+  with pytest.raises(UsageError) as error:  # Before the first round.
+    driver.train(algorithm, task, _run_config(tmp_path, 1))
+  assert str(error.value) == (
+      f'{run}/export holds NOTES.txt, which is not part of an export of '
+      'this pipeline: replacing the export would lose it; move it away')
+  assert not os.path.exists(run / 'metrics.csv')  # No round ran.
+  assert os.listdir(run / 'export') == ['NOTES.txt']
+  (run / 'export' / 'NOTES.txt').unlink()
+  driver.train(algorithm, task, _run_config(tmp_path, 1))
+  assert os.path.isfile(run / 'export' / 'saved_model.pb')
+  assert (run / 'export.old' / 'b.txt').read_text() == 'mine'
+  assert not [name for name in os.listdir(run) if 'staging' in name]
+
+
 def test_resumed_run_equals_uninterrupted_run(two_round_run, tmp_path, task,
                                               algorithm):
   root, _ = two_round_run

@@ -403,6 +403,14 @@ def run_tree(tmp_path):
   (run / 'export' / 'saved_model.pb').write_text('')
   (tmp_path / 'other').mkdir()
   (tmp_path / 'other' / 'notes.txt').write_text('mine')
+  # An export holding a file of the user's.
+  (tmp_path / 'annotated' / 'variables').mkdir(parents=True)
+  (tmp_path / 'annotated' / 'saved_model.pb').write_text('')
+  (tmp_path / 'annotated' / 'variables' / 'NOTES.txt').write_text('mine')
+  # Another run, with its export.
+  (tmp_path / 'root' / 'otherrun' / 'export').mkdir(parents=True)
+  (tmp_path / 'root' / 'otherrun' / 'hparams.json').write_text('{}')
+  (tmp_path / 'root' / 'otherrun' / 'export' / 'saved_model.pb').write_text('')
   return run
 
 
@@ -411,7 +419,10 @@ def run_tree(tmp_path):
     ('root', 'would replace the run directory'),
     ('root/run/checkpoints', 'is inside the run directory'),
     ('root/run/export/x', 'is inside the run directory'),
-    ('other', 'exists and is not an export'),
+    ('other', 'holds notes.txt, which is not part of an export'),
+    ('annotated', 'holds variables/NOTES.txt, which is not part of an export'),
+    ('root/otherrun/export', 'is inside the directory of another run, '),
+    ('root/otherrun/new/export', 'is inside the directory of another run, '),
     ('root/run/metrics.csv', 'is inside the run directory'),
 ])
 def test_export_targets_that_would_replace_something(run_tree, target,
@@ -428,6 +439,43 @@ def test_export_targets_that_are_fine(run_tree, tmp_path):
   (tmp_path / 'copy' / 'checkpoints').mkdir()
   with pytest.raises(UsageError, match='holds a run'):
     export_lib.check_export_dir(str(tmp_path / 'copy'), str(run_tree))
+
+
+@pytest.fixture(scope='module')
+def small_model():
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from tasks import base  # pylint: disable=g-import-not-at-top
+  from tasks import fedres_synthetic  # pylint: disable=g-import-not-at-top
+  task = fedres_synthetic.build_logistic_task(base.DataConfig(
+      client_steps=1, client_batch_size=10, seed=0))
+  return task, tff.learning.models.ModelWeights.from_model(
+      task.keras_model_fn())
+
+
+def test_export_deletes_only_what_it_wrote(small_model, tmp_path):
+  task, weights = small_model
+  target = tmp_path / 'mymodel'
+  # A user's backup and a directory of the names earlier versions used.
+  for sibling in ('mymodel.old', 'mymodel.staging'):
+    (tmp_path / sibling).mkdir()
+    (tmp_path / sibling / 'b.txt').write_text('mine')
+  siblings = [lib.tree_digest(tmp_path / name)
+              for name in ('mymodel.old', 'mymodel.staging')]
+  for _ in range(2):  # A new export, then one replacing it.
+    export_lib.export_saved_model(task, weights, str(target))
+    assert sorted(os.listdir(tmp_path)) == [
+        'mymodel', 'mymodel.old', 'mymodel.staging']
+  assert export_lib.load_model_weights(str(target), task) is not None
+  (target / 'NOTES.txt').write_text('mine')
+  exported = lib.tree_digest(tmp_path)
+  with pytest.raises(UsageError) as error:
+    export_lib.export_saved_model(task, weights, str(target))
+  assert str(error.value) == (
+      f'{target} holds NOTES.txt, which is not part of an export of this '
+      'pipeline: replacing the export would lose it; move it away')
+  assert lib.tree_digest(tmp_path) == exported
+  assert siblings == [lib.tree_digest(tmp_path / name)
+                      for name in ('mymodel.old', 'mymodel.staging')]
 
 
 # -- private temp directories ----------------------------------------------

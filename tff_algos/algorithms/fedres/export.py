@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import sqlite3
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -113,8 +113,10 @@ def _save_personalized_model(task: base.Task,
   os.rename(staging, path)
 
 
-def local_weights_for(export_dir: str, client_id: str) -> tuple[np.ndarray, bool]:
-  """(flat theta of `client_id`, whether the export has a row for it)."""
+def local_weights_for(export_dir: str, client_id: str,
+                      size: Optional[int] = None) -> tuple[np.ndarray, bool]:
+  """(flat theta of `client_id`, whether the export has a row for it);
+  UsageError unless theta is finite and, with `size`, that many values."""
   path = os.path.join(export_dir, LOCAL_MODELS_FILE)
   if not os.path.isfile(path):
     raise UsageError(f'{export_dir} has no {LOCAL_MODELS_FILE}: not the '
@@ -128,15 +130,29 @@ def local_weights_for(export_dir: str, client_id: str) -> tuple[np.ndarray, bool
     if not found:
       row = connection.execute('SELECT value FROM metadata WHERE key = ?',
                                (_INITIAL_KEY,)).fetchone()
-    if row is None or not isinstance(row[0], bytes) or len(row[0]) % 4:
-      raise UsageError(f'{path} has no stored local model for {client_id!r} '
-                       'nor an initial one: it is damaged')
-    return np.frombuffer(row[0], '<f4').astype(np.float32), found
   except sqlite3.DatabaseError as e:
     raise UsageError(f'{path} is not a local-model store of a FedRes export '
                      f'({e})') from e
   finally:
     connection.close()
+  if row is None:
+    raise UsageError(f'{path} has no stored local model for {client_id!r} '
+                     'nor an initial one: it is damaged')
+  which = (f'the local model of client {client_id!r}' if found else
+           f'the initial local model (client {client_id!r} has none)')
+  blob = row[0]
+  if not isinstance(blob, bytes) or len(blob) % 4 or (
+      size is not None and len(blob) != 4 * size):
+    stored = (f'{len(blob)} bytes' if isinstance(blob, bytes) else
+              f'a {type(blob).__name__}')
+    wanted = f'{size} float32 values' if size is not None else 'float32 values'
+    raise UsageError(f'{path}: {which} is {stored}, not {wanted}: the file '
+                     'is damaged')
+  weights = np.frombuffer(blob, '<f4').astype(np.float32)
+  if not np.all(np.isfinite(weights)):
+    raise UsageError(f'{path}: {which} holds non-finite values (NaN or '
+                     'inf): the file is damaged')
+  return weights, found
 
 
 class PersonalizedServer:
@@ -157,7 +173,7 @@ class PersonalizedServer:
                        f'({type(e).__name__}: '
                        f'{" ".join(str(e).split())[:200]})') from e
     input_specs = dict(self._signature.structured_input_signature[1])
-    input_specs.pop('local_weights')
+    self._local_size = input_specs.pop('local_weights').shape[0]
     (self._input_name, self._input_spec), = input_specs.items()
 
   def check_inputs(self, inputs) -> None:
@@ -170,6 +186,10 @@ class PersonalizedServer:
           f'inputs of shape {list(inputs.shape)} and dtype {inputs.dtype} do '
           f'not fit the export\'s `{self._input_name}` (shape '
           f'{spec.shape.as_list()}, dtype {spec.dtype.name})')
+    if inputs.dtype.kind in 'fc' and not np.all(np.isfinite(inputs)):
+      raise UsageError(
+          f'inputs hold {int(np.sum(~np.isfinite(inputs)))} non-finite '
+          'value(s) (NaN or inf); predictions need finite inputs')
 
   def __call__(self, client_id: str, inputs) -> Mapping[str, np.ndarray]:
     """Predictions of `client_id`'s personalized model on serving `inputs`.
@@ -178,7 +198,8 @@ class PersonalizedServer:
     global model's prediction plus the initial local model's.
     """
     self.check_inputs(inputs)
-    local_weights, _ = local_weights_for(self._export_dir, client_id)
+    local_weights, _ = local_weights_for(self._export_dir, client_id,
+                                         self._local_size)
     outputs = self._signature(**{
         self._input_name: tf.constant(inputs, self._input_spec.dtype),
         'local_weights': tf.constant(local_weights)})
