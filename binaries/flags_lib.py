@@ -367,7 +367,18 @@ def configure_execution() -> None:
           FLAGS.worker_addresses), num_subrounds=FLAGS.num_subrounds)
 
 
+# Where a task's real data is; synthetic data reads none of them.
+_DATA_LOCATION_FLAGS = ('cache_dir', 'data_dir', 'movielens_dir', 'download')
+
+
 def data_config() -> task_base.DataConfig:
+  """The task's data settings from the flags; a data location given with
+  --use_synthetic_data is a UsageError (it would be ignored)."""
+  if FLAGS.use_synthetic_data:
+    given = [name for name in _DATA_LOCATION_FLAGS if FLAGS[name].present]
+    if given:
+      raise UsageError(f'--{given[0]} does not apply with '
+                       '--use_synthetic_data (synthetic data reads no files)')
   return task_base.DataConfig(
       client_batch_size=FLAGS.client_batch_size,
       client_steps=FLAGS.client_steps,

@@ -315,6 +315,12 @@ CASES = [
          lambda p: f'--cache_dir={p.root}/file is a file, not a directory; it '
          'must hold celeba.sqlite (TFF CelebA), or pass --download, or '
          '--use_synthetic_data', setup=write('file', 'not a directory')),
+    Case('cache_dir_with_synthetic_data', 'train',
+         lambda p: ['--task=celeba_smile', '--algorithm=fedavg',
+                    '--experiment_name=new', f'--root_output_dir={p.root}',
+                    '--use_synthetic_data', f'--cache_dir={p.root}'],
+         lambda p: '--cache_dir does not apply with --use_synthetic_data '
+         '(synthetic data reads no files)'),
     Case('experiment_name_dot_dot', 'train',
          lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=..',
                     f'--root_output_dir={p.base}'],
