@@ -4,9 +4,9 @@
       --client_id=42 --inputs_npy=inputs.npy
 
 `inputs.npy` holds a batch of the task's serving input (e.g. movie ids for
-movielens_ratings), finite values only. Prints the predictions as JSON. A client without a stored
-local model gets the initial one (the global prediction plus the initial
-local model's).
+movielens_ratings), finite values only. Prints the predictions as JSON. A
+client without a stored local model gets the initial one (the global
+prediction plus the initial local model's).
 """
 
 import json
