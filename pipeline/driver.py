@@ -496,9 +496,16 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   if definition.has_client_state:
     _require_store_directory(config.state_dir)
     _require_own_store(config.state_dir, config.run_dir)
+  before = run_directory.entries(config.run_dir)
   with run_directory.RunLock(config.run_dir):
-    return _train_locked(definition, task, config, hparams, model_aggregator,
-                         round_metrics, hparams_defaults, hparams_unused)
+    try:
+      return _train_locked(definition, task, config, hparams,
+                           model_aggregator, round_metrics, hparams_defaults,
+                           hparams_unused)
+    except BaseException:
+      # Under the lock: no other process can have started in it meanwhile.
+      run_directory.remove_unwritten(config.run_dir, before)
+      raise
 
 
 def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,

@@ -161,6 +161,41 @@ class RunLock:
     self.release()
 
 
+def entries(run_dir: str) -> Optional[frozenset]:
+  """The names in `run_dir`, None if it does not exist: what
+  `remove_unwritten` compares against."""
+  return frozenset(os.listdir(run_dir)) if os.path.isdir(run_dir) else None
+
+
+def _holds_files(path: str) -> bool:
+  if not os.path.isdir(path):
+    return True
+  return any(files for _, _, files in os.walk(path))
+
+
+def remove_unwritten(run_dir: str, before: Optional[frozenset]) -> None:
+  """After a refused or failed start: if nothing was written but the lock
+  file and empty directories, removes those (the run directory too if it
+  was new, `before` being None), so that a refused attempt leaves the
+  directory as it was. Call it holding the lock."""
+  if not os.path.isdir(run_dir):
+    return
+  new = [name for name in os.listdir(run_dir)
+         if before is None or name not in before]
+  if any(name != LOCK_FILE and _holds_files(os.path.join(run_dir, name))
+         for name in new):
+    return
+  if before is None:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return
+  for name in new:
+    path = os.path.join(run_dir, name)
+    if name == LOCK_FILE:
+      os.unlink(path)
+    else:
+      shutil.rmtree(path, ignore_errors=True)
+
+
 def read_hparams(run_dir: str) -> dict:
   """The run's hparams.json as a dict; UsageError if it is not one."""
   path = os.path.join(run_dir, HPARAMS_FILE)

@@ -482,6 +482,16 @@ CASES = [
          of_base(lambda p: f'--export_dir={p.fedres}'),
          lambda p: f'--export_dir={p.fedres} holds a run (checkpoints, '
          'metrics.csv, hparams.json); choose a new directory'),
+    # Refused after the run is locked: the lock file and the empty
+    # directories made meanwhile are removed again.
+    Case('foreign_events_file_in_a_new_run', 'train', train_new(),
+         lambda p: f'{p.root}/new/tensorboard/events.out.tfevents.1.host is '
+         'not a TensorBoard events file (its first record is not an event); '
+         'move it out of the run\'s tensorboard directory '
+         'to resume without its events',
+         setup=lambda p: (os.makedirs(f'{p.root}/new/tensorboard'),
+                          write('new/tensorboard/events.out.tfevents.1.host',
+                                b'not events' * 9)(p))),
     Case('unreachable_worker_address', 'train',
          train_new('--worker_addresses=localhost:1'),
          lambda p: '--worker_addresses: no TFF worker answers at localhost:1 '

@@ -369,6 +369,31 @@ def test_cut_off_writes_are_removed(tmp_path):
 
 # -- lock, names, export targets ---------------------------------------------
 
+def test_a_refused_start_removes_only_what_it_made_and_left_empty(tmp_path):
+  new_run = tmp_path / 'new'
+  with run_directory.RunLock(str(new_run)):
+    (new_run / 'checkpoints').mkdir()
+    run_directory.remove_unwritten(str(new_run), None)
+  assert not new_run.exists()
+
+  run = tmp_path / 'run'
+  (run / 'tensorboard').mkdir(parents=True)
+  (run / 'notes.txt').write_text('mine')
+  before = run_directory.entries(str(run))
+  with run_directory.RunLock(str(run)):
+    (run / 'checkpoints' / 'round_0').mkdir(parents=True)
+    (run / 'client_states').mkdir()
+    run_directory.remove_unwritten(str(run), before)
+  assert sorted(os.listdir(run)) == ['notes.txt', 'tensorboard']
+
+  # Anything written (a checkpoint) keeps the start's files, lock included.
+  with run_directory.RunLock(str(new_run)):
+    (new_run / 'checkpoints').mkdir()
+    (new_run / 'checkpoints' / 'state').write_text('x')
+    run_directory.remove_unwritten(str(new_run), None)
+  assert sorted(os.listdir(new_run)) == ['.lock', 'checkpoints']
+
+
 def test_second_process_cannot_lock_a_run(tmp_path):
   with lib.lock_held_by_another_process(tmp_path):
     with pytest.raises(UsageError) as error:
