@@ -55,9 +55,15 @@ RESULT_NEUTRAL_KEYS = frozenset({
     'task_defaults_applied', FLAG_CHANGES_KEY,
 })
 
-# Left by a write that was cut off: TFF's checkpoint and CSV writes
-# (`<name>_temp<digits>`) and this pipeline's staging files.
-_CUT_OFF_WRITE = re.compile(r'(_temp\d+|\.staging)$')
+# Left by a write that was cut off, by place: TFF's checkpoint and CSV
+# writes (`<name>_temp<digits>`), this pipeline's staging files and an
+# export's staging directory (`<name>.<8 random characters>.staging`,
+# `tempfile.mkdtemp`). Only these: a user's file of another name is kept.
+_CUT_OFF_WRITE = re.compile(
+    r'^((hparams\.json|metrics\.csv)\.staging|metrics\.csv_temp\d+'
+    r'|.+\.[a-z0-9_]{8}\.staging)$')
+_CUT_OFF_CHECKPOINT = re.compile(r'^.+_temp\d+$')
+_CUT_OFF_EVENTS = re.compile(r'^events\.out\.tfevents\..+\.staging$')
 
 
 def nearest_existing_path(path: str) -> str:
@@ -336,17 +342,18 @@ def check_resume(run_dir: str, start_round: Optional[int],
 def remove_cut_off_writes(run_dir: str) -> None:
   """Removes temporary files and directories of writes that were cut off
   (killed checkpoint writes, staging files) in the run's own directories."""
-  places = [run_dir, os.path.join(run_dir, CHECKPOINTS_DIR)]
+  places = [(run_dir, _CUT_OFF_WRITE),
+            (os.path.join(run_dir, CHECKPOINTS_DIR), _CUT_OFF_CHECKPOINT)]
   tensorboard = os.path.join(run_dir, TENSORBOARD_DIR)
-  places += [root for root, _, _ in os.walk(tensorboard)]
-  for place in places:
+  places += [(root, _CUT_OFF_EVENTS) for root, _, _ in os.walk(tensorboard)]
+  for place, cut_off in places:
     try:
       names = sorted(os.listdir(place))
     except (FileNotFoundError, NotADirectoryError):
       continue
     for name in names:
       path = os.path.join(place, name)
-      if not _CUT_OFF_WRITE.search(name) or os.path.islink(path):
+      if not cut_off.match(name) or os.path.islink(path):
         continue
       if os.path.isdir(path):
         shutil.rmtree(path)

@@ -361,10 +361,26 @@ def test_cut_off_writes_are_removed(tmp_path):
   (tmp_path / 'checkpoints' / 'round_4').mkdir()
   (tmp_path / 'metrics.csv_temp5678').write_text('x')
   (tmp_path / 'hparams.json.staging').write_text('x')
+  (tmp_path / 'metrics.csv.staging').write_text('x')
+  (tmp_path / 'export.k2_x9qab.staging' / 'old').mkdir(parents=True)
+  (tmp_path / 'tensorboard' / 'train').mkdir(parents=True)
+  (tmp_path / 'tensorboard' / 'train' /
+   'events.out.tfevents.1.host.staging').write_text('x')
   (tmp_path / 'metrics.csv').write_text(HEADER)
+  # A user's files of other names are kept.
+  users = ['notes.staging', 'data_temp1', 'my.export.staging']
+  for name in users:
+    (tmp_path / name).write_text('mine')
+  (tmp_path / 'tensorboard' / 'plot.staging').write_text('mine')
+  (tmp_path / 'checkpoints' / 'notes.staging').write_text('mine')
   run_directory.remove_cut_off_writes(str(tmp_path))
-  assert sorted(os.listdir(tmp_path)) == ['checkpoints', 'metrics.csv']
-  assert os.listdir(tmp_path / 'checkpoints') == ['round_4']
+  assert sorted(os.listdir(tmp_path)) == sorted(
+      ['checkpoints', 'metrics.csv', 'tensorboard', *users])
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['notes.staging',
+                                                          'round_4']
+  assert sorted(os.listdir(tmp_path / 'tensorboard')) == ['plot.staging',
+                                                          'train']
+  assert os.listdir(tmp_path / 'tensorboard' / 'train') == []
 
 
 # -- lock, names, export targets ---------------------------------------------
