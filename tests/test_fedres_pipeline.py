@@ -140,6 +140,28 @@ def test_export_serves_each_clients_personalized_model(two_round_run, task,
     fedres_export.PersonalizedServer(str(root))
 
 
+def test_export_serves_what_fit_unseen_evaluation_measured(tmp_path, task):
+  # With fedres_fit_unseen the evaluation fits a theta for each client never
+  # sampled; the export must serve that theta, not the initial one, so the
+  # served predictions give the logged eval_personalized/loss.
+  settings = dataclasses.replace(SETTINGS, fedres_fit_unseen=True)
+  algorithm = registry.build('fedres_avg', task, settings)
+  driver.train(algorithm, task, _run_config(tmp_path, 2))
+  with open(os.path.join(tmp_path, 'run', 'metrics.csv')) as f:
+    last = list(csv.DictReader(f))[-1]
+  assert float(last['eval_personalized/num_unseen_clients']) > 0
+  export_dir = os.path.join(tmp_path, 'run', 'export')
+  server = fedres_export.PersonalizedServer(export_dir)
+  losses = []
+  for client_id in task.personal_eval_data.client_ids:
+    assert fedres_export.local_weights_for(export_dir, client_id)[1]
+    for x, y in task.personal_eval_data.test_dataset_fn(client_id):
+      p = server(client_id, x.numpy())['probabilities']
+      losses.extend(-np.log(p[np.arange(len(y)), y.numpy()]))
+  np.testing.assert_allclose(np.mean(losses),
+                             float(last['eval_personalized/loss']), rtol=1e-5)
+
+
 def test_serving_refuses_damaged_local_models_and_non_finite_inputs(
     two_round_run, tmp_path):
   root, _ = two_round_run

@@ -369,6 +369,29 @@ def test_diagnostics_follow_eq_7(pt, one_way_gt):
                                weighted / total, rtol=1e-4)
 
 
+def test_diagnostics_average_over_clients_that_measured_a_gradient(pt):
+  # eq. 7's federated gradient is the cohort mean of the clients' g_i(x); a
+  # sampled client without data has no g_i and must not pull it to zero.
+  empty = tf.data.Dataset.from_tensor_slices(
+      (np.zeros((0, 2), np.float32), np.zeros((0, 1), np.float32))).batch(2)
+  client_ids = [pt.data.set_client(f'client_{i}', dataset)
+                for i, dataset in enumerate(client_datasets())]
+  client_ids.append(pt.data.set_client('client_without_data', empty))
+  pt.data.set_central(0, to_dataset(CENTRAL_BATCHES))
+  _, metrics = round_testing.run_round(pt.process, initial_state(pt),
+                                       client_ids, server_seed=0)
+  hp = HP_EQUIVALENT
+  g_f = np.mean([hp['w_f'] * mse_gradient(INITIAL_THETA, b[0])
+                 for b in CLIENT_BATCHES], axis=0)
+  g_c = hp['w_c'] * mse_gradient(INITIAL_THETA, CENTRAL_BATCHES[0])
+  weighted = g_f @ g_f / hp['w_f'] + g_c @ g_c / hp['w_c']
+  total = (g_f + g_c) @ (g_f + g_c)
+  np.testing.assert_allclose(metrics['diagnostics']['gtilde_squared'],
+                             weighted - total, rtol=1e-4)
+  np.testing.assert_allclose(metrics['diagnostics']['btilde_squared'],
+                             weighted / total, rtol=1e-4)
+
+
 # --- Special cases ------------------------------------------------------------------
 
 

@@ -160,20 +160,31 @@ def _personalization(task: base.Task, settings: FedResSettings,
                      ) -> round_lib.Personalization:
   evaluators = []  # Built on first use: Keras models for in-process eval.
 
-  def evaluate(server_state, states):
-    if task.personal_eval_data is None:
-      return {}
+  def evaluator():
     if not evaluators:
       evaluators.append(evaluation.PersonalizedEvaluator(
           task.residual_spec, task.personal_eval_data,
           settings.local_learning_rate, settings.fedres_fit_unseen))
-    return evaluators[0](server_state['global_model_weights'].trainable,
-                         states, _local_weights_of)
+    return evaluators[0]
+
+  def evaluate(server_state, states):
+    if task.personal_eval_data is None:
+      return {}
+    return evaluator()(server_state['global_model_weights'].trainable,
+                       states, _local_weights_of)
 
   def export_models(server_state, states, export_dir):
+    global_weights = server_state['global_model_weights'].trainable
+    # With fedres_fit_unseen the evaluation fits a theta for each evaluated
+    # client without a stored one; exporting those thetas makes
+    # serve_personalized predict what eval_personalized/* measured (the
+    # initial theta would give those clients the unfitted prediction).
+    fitted = ({} if task.personal_eval_data is None else
+              evaluator().fitted_local_models(global_weights, states,
+                                              _local_weights_of))
     export.export_personal_models(
-        task, server_state['global_model_weights'].trainable, states,
-        _local_weights_of, initial_local, export_dir)
+        task, global_weights, states, _local_weights_of, initial_local,
+        export_dir, fitted)
 
   return round_lib.Personalization(evaluate=evaluate, export=export_models)
 

@@ -47,29 +47,48 @@ class PersonalizedEvaluator:
         (`tff_algos.runtime.client_states.ClientStates`).
       local_weights_of: client state -> theta_i.
     """
-    model = self._model
-    fedres_tf.assign(model.global_weights, global_weights)
     for metric in [self._loss, *self._metrics]:
       metric.reset_state()
-    client_ids = self._data.client_ids
     num_unseen = 0
+    for client_id, seen in self._personal_models(global_weights, store,
+                                                 local_weights_of):
+      num_unseen += not seen
+      fedres_tf.accumulate_metrics(
+          self._model, self._data.test_dataset_fn(client_id), self._loss,
+          self._metrics)
+    results = {'loss': float(self._loss.result())}
+    for metric in self._metrics:
+      results[metric.name] = float(np.asarray(metric.result()))
+    results['num_clients'] = float(len(self._data.client_ids))
+    results['num_unseen_clients'] = float(num_unseen)
+    return results
+
+  def fitted_local_models(
+      self, global_weights: Sequence[np.ndarray], store,
+      local_weights_of: Callable[[Any], Sequence[np.ndarray]]
+  ) -> dict[str, list[np.ndarray]]:
+    """client id -> the theta `__call__` fits for it, for every evaluated
+    client without a stored state (none without `fit_unseen`), so that an
+    export serves the predictions the evaluation measured."""
+    if not self._fit_unseen:
+      return {}
+    return {client_id: [v.numpy() for v in self._model.local_weights]
+            for client_id, seen in self._personal_models(
+                global_weights, store, local_weights_of) if not seen}
+
+  def _personal_models(self, global_weights, store, local_weights_of):
+    """Sets the model to w and each evaluated client's theta in turn
+    (fitted first if unseen and `fit_unseen`); yields (client id, seen)."""
+    model = self._model
+    fedres_tf.assign(model.global_weights, global_weights)
+    client_ids = self._data.client_ids
     for start in range(0, len(client_ids), _READ_CHUNK):
       chunk = client_ids[start:start + _READ_CHUNK]
       for client_id, state, seen in zip(chunk, store.read(chunk),
                                         store.has_state(chunk)):
         fedres_tf.assign(model.local_weights, local_weights_of(state))
-        if not seen:
-          num_unseen += 1
-          if self._fit_unseen:
-            fedres_tf.fit_local_model(
-                model, self._data.train_dataset_fn(client_id, self._seed),
-                self._local_learning_rate)
-        fedres_tf.accumulate_metrics(
-            model, self._data.test_dataset_fn(client_id), self._loss,
-            self._metrics)
-    results = {'loss': float(self._loss.result())}
-    for metric in self._metrics:
-      results[metric.name] = float(np.asarray(metric.result()))
-    results['num_clients'] = float(len(client_ids))
-    results['num_unseen_clients'] = float(num_unseen)
-    return results
+        if not seen and self._fit_unseen:
+          fedres_tf.fit_local_model(
+              model, self._data.train_dataset_fn(client_id, self._seed),
+              self._local_learning_rate)
+        yield client_id, seen

@@ -2,7 +2,10 @@
 
 Beside the global SavedModel that the driver writes to `export/`, FedRes adds
 
-  export/local_models.sqlite   every client's theta_i (the local-model store)
+  export/local_models.sqlite   every client's theta_i (the local-model store;
+                               with --fedres_fit_unseen also the theta the
+                               personalized evaluation fits for each evaluated
+                               client without one)
   export/personalized/         a SavedModel whose `serving_default` takes the
                                task's serving input plus one client's
                                `local_weights` and returns the personalized
@@ -43,16 +46,25 @@ def export_personal_models(task: base.Task,
                            global_weights: Sequence[np.ndarray], store,
                            local_weights_of: Callable[[Any], Sequence[Any]],
                            initial_local_weights: Sequence[np.ndarray],
-                           export_dir: str) -> None:
-  """Writes the local-model store and the personalized SavedModel."""
+                           export_dir: str,
+                           fitted_local_weights: Optional[
+                               Mapping[str, Sequence[np.ndarray]]] = None
+                           ) -> None:
+  """Writes the local-model store and the personalized SavedModel.
+
+  `fitted_local_weights` (client id -> theta) adds the thetas the
+  personalized evaluation fitted for clients without a stored state
+  (`--fedres_fit_unseen`).
+  """
   _write_local_models(os.path.join(export_dir, LOCAL_MODELS_FILE), store,
-                      local_weights_of, initial_local_weights)
+                      local_weights_of, initial_local_weights,
+                      fitted_local_weights or {})
   _save_personalized_model(task, global_weights,
                            os.path.join(export_dir, PERSONALIZED_DIR))
 
 
 def _write_local_models(path: str, store, local_weights_of,
-                        initial_local_weights) -> None:
+                        initial_local_weights, fitted_local_weights) -> None:
   staging = path + '.staging'
   if os.path.exists(staging):
     os.remove(staging)
@@ -74,6 +86,10 @@ def _write_local_models(path: str, store, local_weights_of,
           'INSERT INTO local_models VALUES (?, ?)',
           ((client_id, flatten_weights(local_weights_of(state)).tobytes())
            for client_id, state in store.items()))
+      connection.executemany(
+          'INSERT INTO local_models VALUES (?, ?)',
+          ((client_id, flatten_weights(weights).tobytes())
+           for client_id, weights in sorted(fitted_local_weights.items())))
   finally:
     connection.close()
   os.replace(staging, path)

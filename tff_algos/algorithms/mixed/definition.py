@@ -182,10 +182,10 @@ def definition(name: str, task, settings) -> round_lib.RoundDefinition:
     metrics = collections.OrderedDict(central=collections.OrderedDict(
         loss=central['loss'], num_steps=central['num_steps']))
     if settings.mixed_diagnostics:
-      num_clients = tf.cast(aggregates['num_clients'], tf.float32)
+      measurements = aggregates['measurements']
       federated_gradient = [
-          g / num_clients
-          for g in aggregates['measurements']['first_gradient']]
+          tf.math.divide_no_nan(g, measurements['first_gradient_count'])
+          for g in measurements['first_gradient']]
       central_gradient = (central['first_gradient'] if has_central_model
                           else central['gradient'])
       metrics['diagnostics'] = math.mixing_diagnostics(

@@ -338,8 +338,8 @@ def client_work(settings: RoundSettings,
   p_i) and the model's metrics; 2-w GT also sums K_i (eq. 10; its Delta_i
   sum comes from the same uploads). A client whose Delta_i is not finite is
   dropped (weight 0, K_i not counted, no metrics). With diagnostics it
-  measures g_i(x) on the first batch (a simulation-only measurement, not
-  uploaded).
+  measures g_i(x) on the first batch and whether it has one (a
+  simulation-only measurement, not uploaded).
   """
   specs = tuple(trainable_specs)
 
@@ -401,7 +401,14 @@ def client_work(settings: RoundSettings,
           kept, tf.cast(carry['num_steps'], tf.float32), 0.0)
     measurements = collections.OrderedDict()
     if settings.diagnostics:
-      measurements['first_gradient'] = list(carry['first_gradient'])
+      # eq. 7 averages g_i(x) over the clients that have one: a client
+      # without data (or whose g_i(x) is not finite) is not counted.
+      first_gradient, unusable = non_finite.zero_all_if_any_non_finite(
+          list(carry['first_gradient']))
+      measured = tf.logical_and(carry['num_steps'] > 0,
+                                tf.equal(unusable, 0))
+      measurements['first_gradient'] = list(first_gradient)
+      measurements['first_gradient_count'] = tf.where(measured, 1.0, 0.0)
     non_finite.reset_metrics_if(dropped, model)
     return round_lib.ClientResult(
         model_update=model_update,
