@@ -179,3 +179,15 @@ def test_a_stateful_round_is_compared_with_fedavg_plus_its_bound_extra_work():
   assert report.bound_extra_work_lines(by_key) == [
       '  fedres_avg, tff, 100 clients: round 2.000 s = x1.60 FedAvg\'s '
       '0.500 s + its extra work in plain TF ((c) minus FedAvg\'s) 1.200 s']
+
+
+def test_binaries_benchmark_is_the_round_benchmark():
+  # The binaries' name for it (`python -m binaries.benchmark`), with the
+  # binaries' contract: a bad flag value is one error line, status 2.
+  result = run_binary('binaries.benchmark', '--sweep_algorithms=fedavg,nope',
+                      '--modes=tff')
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines() == [
+      "error: --sweep_algorithms: 'nope' is unknown; allowed: fedavg, "
+      'fedprox, fedsgd, scaffold, fedpvr, mixed_pt, mixed_1wgt, mixed_2wgt, '
+      'fedres_naive, fedres_sgd, fedres_avg']
