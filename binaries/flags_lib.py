@@ -218,6 +218,9 @@ _INFINITY_ALLOWED = ('clip_norm',)
 _BATCH_SIZE_FLAGS = ('client_batch_size', 'eval_batch_size',
                      'central_batch_size')
 _MAX_BATCH_SIZE = 2**31 - 1
+# Settings become float32 constants of the computations; TFF refuses a
+# larger finite value with a traceback (--clip_norm=1e300).
+_MAX_FLOAT32 = 3.4028234663852886e38
 
 for _flag in flags.FLAGS.get_flags_for_module(__name__):
   if _flag.flag_type() == 'float':
@@ -231,6 +234,10 @@ for _flag in flags.FLAGS.get_flags_for_module(__name__):
       flags.register_validator(
           _flag.name, lambda value: value is None or math.isfinite(value),
           message='must be a finite number')
+    flags.register_validator(
+        _flag.name, lambda value: value is None or not math.isfinite(value)
+        or abs(value) <= _MAX_FLOAT32,
+        message=f'must be at most {_MAX_FLOAT32:.8g} in magnitude (a float32)')
   elif _flag.flag_type() == 'int':
     # TF and NumPy take 64-bit integers (absl any Python int).
     flags.register_validator(

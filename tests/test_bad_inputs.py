@@ -217,6 +217,15 @@ CASES = [
          lambda p: 'flag --client_learning_rate=inf: must be a finite number'),
     Case('nan_learning_rate', 'train', train_new('--server_learning_rate=nan'),
          lambda p: 'flag --server_learning_rate=nan: must be a finite number'),
+    # TFF refused the float32 constant with a traceback.
+    Case('clip_norm_beyond_float32', 'train',
+         train_new('--aggregator=robust', '--clip_norm=1e300'),
+         lambda p: 'flag --clip_norm=1e+300: must be at most 3.4028235e+38 in '
+         'magnitude (a float32)'),
+    Case('learning_rate_beyond_float32', 'train',
+         train_new('--client_learning_rate=1e39'),
+         lambda p: 'flag --client_learning_rate=1e+39: must be at most '
+         '3.4028235e+38 in magnitude (a float32)'),
     Case('positional_argument', 'train', lambda p: [*train_new()(p), 'extra'],
          lambda p: 'unexpected positional arguments: extra (every option is '
          'a --flag)'),
