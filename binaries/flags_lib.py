@@ -365,6 +365,23 @@ def given_flag_defaults() -> dict:
           if f.present}
 
 
+# The TFF runtime's execution settings; the native runtime starts no worker.
+TFF_EXECUTION_FLAGS = ('num_workers', 'num_subrounds', 'worker_addresses',
+                       'max_concurrent_computation_calls')
+
+
+def check_runtime_flags() -> None:
+  """UsageError for a TFF execution flag given with --runtime=native, which
+  would ignore it (even an impossible value such as --num_workers=0)."""
+  if FLAGS.runtime != 'native':
+    return
+  for name in TFF_EXECUTION_FLAGS:
+    if FLAGS[name].present:
+      raise UsageError(f'--{name} does not apply to --runtime=native (it '
+                       'starts no TFF worker); leave it out, or use '
+                       '--runtime=tff')
+
+
 def configure_execution() -> None:
   """The TFF execution context the flags ask for (README, Several TFF
   workers)."""

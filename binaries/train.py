@@ -44,6 +44,7 @@ def main(argv):
   run_directory.run_dir_path(FLAGS.root_output_dir, FLAGS.experiment_name)
   flags_lib.require_known_names()
   task_defaults = flags_lib.apply_task_defaults(FLAGS.task)
+  flags_lib.check_runtime_flags()
   if FLAGS.runtime == 'tff':  # The native runtime never starts TFF's.
     flags_lib.configure_execution()
   task = task_registry.build_task(FLAGS.task, flags_lib.data_config())

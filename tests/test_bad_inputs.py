@@ -496,6 +496,15 @@ CASES = [
          lambda p: '--worker_addresses: no TFF worker answers at localhost:1 '
          'within 10 s (start one there with `worker_binary --port=PORT`)',
          status=3),
+    # The native runtime ignored them, impossible values too.
+    Case('num_workers_with_the_native_runtime', 'train',
+         train_new('--runtime=native', '--num_workers=0'),
+         lambda p: '--num_workers does not apply to --runtime=native (it '
+         'starts no TFF worker); leave it out, or use --runtime=tff'),
+    Case('worker_addresses_with_the_native_runtime', 'train',
+         train_new('--runtime=native', '--worker_addresses=garbage'),
+         lambda p: '--worker_addresses does not apply to --runtime=native (it '
+         'starts no TFF worker); leave it out, or use --runtime=tff'),
     Case('worker_addresses_without_a_worker', 'train',
          train_new('--worker_addresses=,,,'),
          lambda p: "--worker_addresses=',,,' names no worker (host:port,"
