@@ -438,6 +438,13 @@ CASES = [
          of_base(lambda p: f'--export_dir={p.root}/garbled'),
          lambda p: f'--export_dir={p.root}/garbled is not a readable export '
          'of this pipeline (OSError)', setup=garble_export),
+    # An IndexError: conformal sets are over one class per example.
+    Case('conformal_on_a_regression_task', 'evaluate',
+         lambda p: ['--experiment_name=fedres', f'--root_output_dir={p.root}',
+                    '--task=fedres_toy', '--conformal'],
+         lambda p: '--conformal needs a classifier of one class per example; '
+         '--task=fedres_toy is not one (its loss is QuadraticLinearLoss, not a '
+         'cross-entropy)'),
     Case('serve_wrongly_shaped_input', 'serve_personalized',
          serve('fedres/export'),
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
