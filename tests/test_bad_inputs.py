@@ -404,6 +404,14 @@ CASES = [
          f'this pipeline writes (round_7); move it out of {p.base}/checkpoints',
          setup=lambda p: os.makedirs(os.path.join(p.base, 'checkpoints',
                                                   'round_07'))),
+    # It loaded (TFF checks only the nesting); assigning it was a traceback.
+    Case('checkpoint_of_another_task', 'evaluate',
+         lambda p: ['--experiment_name=fedres', f'--root_output_dir={p.root}',
+                    '--task=fedres_toy'],
+         lambda p: f'checkpoint {p.fedres}/checkpoints/round_2 is corrupted or '
+         'incompatible with these flags (a tensor of shape [10] where these '
+         'flags make [2]); use the flags it was trained with, or delete it '
+         'to resume from an earlier one'),
     Case('hparams_wrong_type', 'export', of_base(),
          lambda p: f'{p.base}/hparams.json: seed=\'abc\' is not a valid '
          "--seed (invalid literal for int() with base 10: 'abc')",
