@@ -403,6 +403,11 @@ def data_config() -> task_base.DataConfig:
     if given:
       raise UsageError(f'--{given[0]} does not apply with '
                        '--use_synthetic_data (synthetic data reads no files)')
+  if FLAGS['client_steps'].present and FLAGS['client_epochs'].present:
+    # K steps replace the epochs: --client_epochs would be ignored.
+    raise UsageError('--client_epochs does not apply with --client_steps (K '
+                     'local steps replace the passes over the data); pass one '
+                     'of them')
   return task_base.DataConfig(
       client_batch_size=FLAGS.client_batch_size,
       client_steps=FLAGS.client_steps,

@@ -226,6 +226,11 @@ CASES = [
          train_new('--client_learning_rate=1e39'),
          lambda p: 'flag --client_learning_rate=1e+39: must be at most '
          '3.4028235e+38 in magnitude (a float32)'),
+    # --client_epochs was ignored.
+    Case('client_epochs_with_client_steps', 'train',
+         train_new('--client_epochs=3'),
+         lambda p: '--client_epochs does not apply with --client_steps (K '
+         'local steps replace the passes over the data); pass one of them'),
     Case('positional_argument', 'train', lambda p: [*train_new()(p), 'extra'],
          lambda p: 'unexpected positional arguments: extra (every option is '
          'a --flag)'),
