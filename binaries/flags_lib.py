@@ -371,9 +371,13 @@ TFF_EXECUTION_FLAGS = ('num_workers', 'num_subrounds', 'worker_addresses',
 
 
 def check_runtime_flags() -> None:
-  """UsageError for a TFF execution flag given with --runtime=native, which
-  would ignore it (even an impossible value such as --num_workers=0)."""
-  if FLAGS.runtime != 'native':
+  """UsageError for an execution flag of the other runtime, which would
+  ignore it (even an impossible value such as --num_workers=0)."""
+  if FLAGS.runtime == 'tff':
+    if FLAGS['batched_cohorts'].present:
+      raise UsageError('--batched_cohorts does not apply to --runtime=tff (it '
+                       'chooses how the native runtime runs a group); leave '
+                       'it out, or use --runtime=native')
     return
   for name in TFF_EXECUTION_FLAGS:
     if FLAGS[name].present:

@@ -51,7 +51,7 @@ RESULT_NEUTRAL_KEYS = frozenset({
     'root_output_dir', 'experiment_name',
     'cache_dir', 'data_dir', 'download', 'movielens_dir',
     'runtime', 'num_workers', 'num_subrounds', 'worker_addresses',
-    'max_concurrent_computation_calls',
+    'max_concurrent_computation_calls', 'batched_cohorts',
     'task_defaults_applied', FLAG_CHANGES_KEY,
 })
 

@@ -525,6 +525,11 @@ CASES = [
          train_new('--runtime=native', '--worker_addresses=garbage'),
          lambda p: '--worker_addresses does not apply to --runtime=native (it '
          'starts no TFF worker); leave it out, or use --runtime=tff'),
+    Case('batched_cohorts_with_the_tff_runtime', 'train',
+         train_new('--batched_cohorts=on'),
+         lambda p: '--batched_cohorts does not apply to --runtime=tff (it '
+         'chooses how the native runtime runs a group); leave it out, or use '
+         '--runtime=native'),
     Case('worker_addresses_without_a_worker', 'train',
          train_new('--worker_addresses=,,,'),
          lambda p: "--worker_addresses=',,,' names no worker (host:port,"
