@@ -231,6 +231,12 @@ CASES = [
          train_new('--client_epochs=3'),
          lambda p: '--client_epochs does not apply with --client_steps (K '
          'local steps replace the passes over the data); pass one of them'),
+    # An infinite stddev: an overflow warning, then NaN updates.
+    Case('dp_noise_beyond_float32', 'train',
+         train_new('--aggregator=dp', '--clip_norm=1e30',
+                   '--dp_noise_multiplier=1e30'),
+         lambda p: "--dp_noise_multiplier times --clip_norm is the noise's "
+         'stddev, 1e+60: at most 3.4028235e+38 (a float32)'),
     Case('positional_argument', 'train', lambda p: [*train_new()(p), 'extra'],
          lambda p: 'unexpected positional arguments: extra (every option is '
          'a --flag)'),
