@@ -11,6 +11,7 @@ from binaries import app
 from binaries import flags_lib
 from pipeline import driver
 from pipeline import run_directory
+from pipeline.errors import UsageError
 from tasks import registry as task_registry
 from tff_algos.aggregation import factories
 
@@ -52,6 +53,9 @@ def main(argv):
   config = run_config()
   config.validate(task.num_train_clients)
   definition = flags_lib.build_algorithm(task)
+  if FLAGS['client_state_dir'].present and not definition.has_client_state:
+    raise UsageError(f'--client_state_dir does not apply to --algorithm='
+                     f'{FLAGS.algorithm}: it keeps no per-client state')
   aggregation = flags_lib.aggregator_settings(task)
   hparams = flags_lib.all_values()
   # Which values came from the task's defaults rather than the command line.

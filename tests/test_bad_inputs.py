@@ -328,6 +328,11 @@ CASES = [
          lambda p: f'the client-state store {p.root} (--client_state_dir) '
          f'holds the run directory {os.path.realpath(p.root)}/new; name a '
          'directory of its own'),
+    # It was ignored.
+    Case('client_state_dir_without_client_states', 'train',
+         train_new(lambda p: f'--client_state_dir={p.root}/store'),
+         lambda p: '--client_state_dir does not apply to --algorithm=fedavg: '
+         'it keeps no per-client state'),
     Case('cache_dir_is_a_file', 'train',
          lambda p: ['--task=celeba_smile', '--algorithm=fedavg',
                     '--experiment_name=new', f'--root_output_dir={p.root}',
