@@ -111,7 +111,12 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   if not os.path.isdir(existing):
     raise UsageError(f'--root_output_dir={root_output_dir} cannot be made: '
                      f'{existing} is a file, not a directory')
-  return os.path.join(root_output_dir, name)
+  path = os.path.join(root_output_dir, name)
+  if os.path.exists(path) and not os.path.isdir(path):
+    # Making the run directory failed with a traceback.
+    raise UsageError(f'{path} is a file, not a run directory; use another '
+                     '--experiment_name')
+  return path
 
 
 class RunLock:

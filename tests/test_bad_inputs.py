@@ -251,6 +251,11 @@ CASES = [
          lambda p: f'--root_output_dir={p.root}/file/runs cannot be made: '
          f'{p.root}/file is a file, not a directory',
          setup=write('file', 'not a directory')),
+    Case('run_directory_is_a_file', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=file',
+                    f'--root_output_dir={p.root}'],
+         lambda p: f'{p.root}/file is a file, not a run directory; use another '
+         '--experiment_name', setup=write('file', 'not a directory')),
     Case('client_steps_beyond_int64', 'train',
          train_new(f'--client_steps={2**63}'),
          lambda p: f'flag --client_steps={2**63}: must fit in a 64-bit '
