@@ -453,6 +453,11 @@ CASES = [
          'file, or use a new --experiment_name (the run cannot record those '
          'rounds again)',
          setup=remove('base/metrics.csv')),
+    Case('tensorboard_a_file', 'train', resume_base(),
+         lambda p: f'{p.base}/tensorboard is a file, not the run\'s '
+         'TensorBoard directory: move it away, or use a new --experiment_name',
+         setup=lambda p: (shutil.rmtree(os.path.join(p.base, 'tensorboard')),
+                          write('base/tensorboard', 'mine')(p))),
     Case('events_damaged_mid_file', 'train', resume_base(),
          damaged_events_message, setup=damage_second_event_record),
     Case('checkpoint_round_missing', 'evaluate',
