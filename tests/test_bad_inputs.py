@@ -237,6 +237,24 @@ CASES = [
                    '--dp_noise_multiplier=1e30'),
          lambda p: "--dp_noise_multiplier times --clip_norm is the noise's "
          'stddev, 1e+60: at most 3.4028235e+38 (a float32)'),
+    # An explicit 0 was taken for unset: the default ran silently.
+    Case('emnist_num_clients_0', 'train',
+         train_new('--task=emnist', '--use_synthetic_data',
+                   '--num_clients=0'),
+         lambda p: '--num_clients must be >= 1, got 0'),
+    Case('movielens_embedding_dim_0', 'train',
+         lambda p: ['--task=movielens', '--algorithm=fedavg',
+                    '--use_synthetic_data', '--movielens_embedding_dim=0',
+                    '--experiment_name=new', f'--root_output_dir={p.root}'],
+         lambda p: '--movielens_embedding_dim must be >= 1, got 0'),
+    # Its int32 window overflowed: a traceback.
+    Case('movielens_context_length_huge', 'train',
+         lambda p: ['--task=movielens', '--algorithm=fedavg',
+                    '--use_synthetic_data',
+                    '--movielens_context_length=2147483647',
+                    '--experiment_name=new', f'--root_output_dir={p.root}'],
+         lambda p: '--movielens_context_length must be at most 10000000 (the '
+         'largest movie id), got 2147483647'),
     Case('positional_argument', 'train', lambda p: [*train_new()(p), 'extra'],
          lambda p: 'unexpected positional arguments: extra (every option is '
          'a --flag)'),
