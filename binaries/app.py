@@ -45,7 +45,9 @@ _ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
 _ENVIRONMENT_MESSAGES = ('No space left on device', 'Read-only file system',
                          'Permission denied', 'Disk quota exceeded',
                          'database or disk is full',
-                         'attempt to write a readonly database')
+                         'attempt to write a readonly database',
+                         # Memory: e.g. a model too large for the machine.
+                         'OOM when allocating')
 _RECOVERY = ('fix that and re-run the same command (what was written before '
              'is kept)')
 
@@ -55,7 +57,7 @@ def first_line(text) -> str:
   `{{function_node ...}}` prefix and `[Op:...]` suffix."""
   line = ' '.join(str(text).strip().splitlines()[:1])
   line = re.sub(r'\{\{[^}]*\}\}\s*', '', line)
-  return re.sub(r'\s*\[Op:\w+\]', '', line)
+  return re.sub(r'\s*\[Op:\w+\]( name: ?$)?', '', line)
 
 
 def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:

@@ -214,10 +214,13 @@ ALGORITHM_FLAGS = tuple(_SETTINGS_FIELDS)
 # is still refused, and the aggregator settings check the rest.
 _INFINITY_ALLOWED = ('clip_norm',)
 # Batch sizes beyond int32 overflow TF's shape arithmetic in the worker,
-# which then crashes and restarts forever.
-_BATCH_SIZE_FLAGS = ('client_batch_size', 'eval_batch_size',
-                     'central_batch_size')
-_MAX_BATCH_SIZE = 2**31 - 1
+# which then crashes and restarts forever; model sizes beyond it failed
+# with tracebacks of TF's int32 shapes.
+_INT32_SIZE_FLAGS = ('client_batch_size', 'eval_batch_size',
+                     'central_batch_size', 'char_embedding_dim', 'gru_units',
+                     'word_vocab_size', 'movielens_embedding_dim',
+                     'movielens_context_length')
+_MAX_INT32_SIZE = 2**31 - 1
 # Settings become float32 constants of the computations; TFF refuses a
 # larger finite value with a traceback (--clip_norm=1e300).
 _MAX_FLOAT32 = 3.4028234663852886e38
@@ -243,10 +246,10 @@ for _flag in flags.FLAGS.get_flags_for_module(__name__):
     flags.register_validator(
         _flag.name, lambda value: value is None or -2**63 <= value < 2**63,
         message='must fit in a 64-bit integer')
-    if _flag.name in _BATCH_SIZE_FLAGS:
+    if _flag.name in _INT32_SIZE_FLAGS:
       flags.register_validator(
-          _flag.name, lambda value: value is None or value <= _MAX_BATCH_SIZE,
-          message=f'must be at most {_MAX_BATCH_SIZE}')
+          _flag.name, lambda value: value is None or value <= _MAX_INT32_SIZE,
+          message=f'must be at most {_MAX_INT32_SIZE}')
 
 FLAGS = flags.FLAGS
 

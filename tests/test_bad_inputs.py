@@ -284,6 +284,13 @@ CASES = [
          train_new(f'--client_batch_size={2**63 - 1}'),
          lambda p: f'flag --client_batch_size={2**63 - 1}: must be at most '
          '2147483647'),
+    # TF's int32 shapes failed with a traceback.
+    Case('char_embedding_dim_beyond_int32', 'train',
+         lambda p: ['--task=stackoverflow_char', '--algorithm=fedavg',
+                    '--use_synthetic_data', f'--char_embedding_dim={2**40}',
+                    '--experiment_name=new', f'--root_output_dir={p.root}'],
+         lambda p: f'flag --char_embedding_dim={2**40}: must be at most '
+         '2147483647'),
     Case('client_state_dir_is_a_file', 'train',
          train_new('--algorithm=scaffold',
                    lambda p: f'--client_state_dir={p.root}/file'),

@@ -360,6 +360,15 @@ _GrpcError.__module__ = 'grpc._channel'
                 'function_node cond}}{{node WriteFile}}]]\nHint: ..."\n>'),
      '/r/s/round_2/AA.state; No space left on device'),
     (EnvironmentFault('the TFF worker w exited'), 'the TFF worker w exited'),
+    # A model too large for memory (--movielens_embedding_dim=2**40) was a
+    # traceback.
+    (tf.errors.ResourceExhaustedError(
+        None, None, '{{function_node x}} OOM when allocating tensor with '
+        'shape[41,1099511627776] and type float on /job:localhost/replica:0/'
+        'task:0/device:CPU:0 by allocator mklcpu [Op:StatelessRandomNormalV2] '
+        'name: '),
+     'OOM when allocating tensor with shape[41,1099511627776] and type float '
+     'on /job:localhost/replica:0/task:0/device:CPU:0 by allocator mklcpu'),
 ])
 def test_environment_faults_are_recognized(error, expected):
   try:
