@@ -169,6 +169,11 @@ class RunLock:
 def read_hparams(run_dir: str) -> dict:
   """The run's hparams.json as a dict; UsageError if it is not one."""
   path = os.path.join(run_dir, HPARAMS_FILE)
+  if os.path.isdir(path):
+    # Reported as missing, with --allow_flag_changes as a way out that then
+    # failed to write it.
+    raise UsageError(f'{path} is a directory, not the file of the run\'s '
+                     'flags: move it away')
   if not os.path.isfile(path):
     raise UsageError(f'{path} not found: the flags of the run are unknown '
                      '(restore the file, or pass --allow_flag_changes to '
@@ -269,7 +274,7 @@ def check_resume(run_dir: str, start_round: Optional[int],
   if hparams is None:
     return ResumePlan(start_round, None)
   path = os.path.join(run_dir, HPARAMS_FILE)
-  if not os.path.isfile(path) and allow_flag_changes:
+  if not os.path.lexists(path) and allow_flag_changes:
     logging.warning('%s was missing; it now records this command\'s flags',
                     path)
     return ResumePlan(start_round, current)

@@ -421,6 +421,15 @@ CASES = [
     Case('hparams_not_utf8', 'train', resume_base(),
          lambda p: f'{p.base}/hparams.json is not UTF-8 text (byte 0)',
          setup=write('base/hparams.json', b'\xff{}')),
+    # It was "not found", pointing to --allow_flag_changes.
+    Case('hparams_a_directory', 'train', resume_base('--allow_flag_changes'),
+         lambda p: f'{p.base}/hparams.json is a directory, not the file of the '
+         'run\'s flags: move it away',
+         setup=replace_with_directory('base/hparams.json')),
+    Case('hparams_a_directory_in_evaluate', 'evaluate', of_base(),
+         lambda p: f'{p.base}/hparams.json is a directory, not the file of the '
+         'run\'s flags: move it away',
+         setup=replace_with_directory('base/hparams.json')),
     Case('hparams_a_list', 'evaluate', of_base(),
          lambda p: f'{p.base}/hparams.json must hold a JSON object of flag '
          'values, not a list', setup=write('base/hparams.json', '[1, 2]')),
