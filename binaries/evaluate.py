@@ -121,6 +121,13 @@ def _write_conformal(report: dict, path: str) -> None:
 def main(argv):
   del argv
   app.require_flags('experiment_name')
+  # Each was silently ignored.
+  if FLAGS.export_dir and FLAGS['checkpoint_round'].present:
+    raise UsageError('--checkpoint_round does not apply with --export_dir (the '
+                     'export is evaluated, not a checkpoint); pass one of them')
+  for name in ('conformal_alphas', 'calibration_fraction'):
+    if FLAGS[name].present and not FLAGS.conformal:
+      raise UsageError(f'--{name} does not apply without --conformal')
   alphas = _conformal_alphas() if FLAGS.conformal else None
   restore.load_run_flags()
   task = restore.build_task()

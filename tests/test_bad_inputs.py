@@ -494,6 +494,15 @@ CASES = [
                           write('base/tensorboard', 'mine')(p))),
     Case('events_damaged_mid_file', 'train', resume_base(),
          damaged_events_message, setup=damage_second_event_record),
+    # Each was silently ignored.
+    Case('checkpoint_round_with_export_dir', 'evaluate',
+         of_base('--checkpoint_round=2',
+                 lambda p: f'--export_dir={p.base}/export'),
+         lambda p: '--checkpoint_round does not apply with --export_dir (the '
+         'export is evaluated, not a checkpoint); pass one of them'),
+    Case('conformal_alphas_without_conformal', 'evaluate',
+         of_base('--conformal_alphas=0.1'),
+         lambda p: '--conformal_alphas does not apply without --conformal'),
     Case('checkpoint_round_missing', 'evaluate',
          of_base('--checkpoint_round=7'),
          lambda p: f'--checkpoint_round=7: {p.base}/checkpoints has no '
