@@ -527,6 +527,11 @@ CASES = [
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
          '[2, 3, 4] and dtype float64 do not fit the export\'s `features` '
          '(shape [None, 10], dtype float32)', setup=wrongly_shaped_inputs),
+    # It "does not exist".
+    Case('serve_input_a_directory', 'serve_personalized',
+         serve('fedres/export', 'fedres'),
+         lambda p: f'--inputs_npy={p.root}/fedres is a directory, not a .npy '
+         'file'),
     Case('serve_empty_input_file', 'serve_personalized',
          serve('fedres/export', 'empty.npy'),
          lambda p: f'--inputs_npy={p.root}/empty.npy is not a .npy array: '
