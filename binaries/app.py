@@ -120,6 +120,12 @@ class _UnusedAssertionFilter(logging_lib.Filter):
 _UNPARSABLE_DATA = 'Could not parse example input'
 
 
+# How TF reports a TFRecord file of the task's data (e.g. a TFDS shard of
+# Wikipedia) that is cut short or not a TFRecord file: a traceback, from
+# this process or from the worker.
+_DAMAGED_RECORD = re.compile(r'(truncated|corrupted) record at \d+')
+
+
 def bad_data_message(error: BaseException) -> Optional[str]:
   """The one-line message for a task's data that cannot be parsed, if
   `error`'s chain (the error, its cause and context) reports it."""
@@ -127,6 +133,12 @@ def bad_data_message(error: BaseException) -> Optional[str]:
     return ('the task\'s data files hold records that cannot be parsed '
             f'({_UNPARSABLE_DATA}): they are damaged or not the files of '
             'this task (--cache_dir, --data_dir)')
+  for link in _chain(error):
+    damaged = _DAMAGED_RECORD.search(str(link))
+    if damaged:
+      return (f'the task\'s data files hold a damaged TFRecord file '
+              f'({damaged.group(0)}): restore them, or use the files of this '
+              'task (--cache_dir, --data_dir)')
   return None
 
 
