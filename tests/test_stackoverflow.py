@@ -243,6 +243,17 @@ def test_word_task_without_vocabulary_is_a_usage_error(sources, tmp_path):
     so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
 
 
+def test_word_task_with_an_empty_vocabulary_is_a_usage_error(sources,
+                                                            tmp_path):
+  # TFF's task builder raised a ValueError: a traceback.
+  import shutil  # pylint: disable=import-outside-toplevel
+  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
+  (tmp_path / 'stackoverflow.word_count').write_text('')
+  with pytest.raises(UsageError, match='stackoverflow.word_count holds no '
+                     'words'):
+    so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
+
+
 @pytest.mark.parametrize('damage, found', [
     # Read by the evaluation in this process.
     (lambda content: content[:len(content) // 2], 'truncated record at 3301'),
