@@ -159,10 +159,20 @@ def _remove_temp_dir_on_fatal_signals() -> None:
     signal.signal(signum, handler)
 
 
+def _interrupt_once(signum, frame):
+  """SIGINT: KeyboardInterrupt the first time, then ignored. A second one (a
+  second Ctrl-C, or GNU `timeout -s INT`, which signals the process and then
+  its process group) interrupted the clean-up with a traceback."""
+  del signum, frame
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  raise KeyboardInterrupt
+
+
 def run(main, allow_positional_args: bool = False) -> None:
   tff_runtime.install_shutdown_hooks()
   private_temp.use_private_temp_dir()
   _remove_temp_dir_on_fatal_signals()
+  signal.signal(signal.SIGINT, _interrupt_once)
 
   def fail(message: str, status: int):
     print(f'error: {message}', file=sys.stderr)

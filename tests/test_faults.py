@@ -202,6 +202,32 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
   assert not os.listdir(temp)  # The stale temp dir went at the start.
 
 
+@pytest.mark.time_limit(300)
+def test_a_second_ctrl_c_during_the_clean_up_is_ignored(tmp_path):
+  # As `timeout -s INT` sends it (to the process, then to its group): the
+  # second one interrupted the clean-up with a traceback.
+  process = subprocess.Popen(
+      lib.binary_command('binaries.train', *lib.DIGITS_FLAGS,
+                         '--total_rounds=100000',
+                         '--rounds_per_checkpoint=100000',
+                         '--experiment_name=twice',
+                         f'--root_output_dir={tmp_path}'),
+      cwd=lib.REPO, env=lib.environment(), stdin=subprocess.DEVNULL,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    wait_for_rows(tmp_path / 'twice', 2, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+  finally:
+    process.kill()
+  assert process.returncode == 130, stderr[-3000:]
+  assert [l for l in stderr.splitlines() if not l.startswith('round ')] == [
+      'error: interrupted; re-run the same command to go on (what was '
+      'written before is kept)'], stderr[-3000:]
+
+
 def test_resume_removes_what_a_cut_off_checkpoint_write_left(
     base, train_binary, tmp_path):
   # Killed inside round 3's checkpoint write, after its row and events:
