@@ -24,6 +24,7 @@ import re
 import signal
 import sqlite3
 import sys
+import warnings
 from typing import Iterator, Optional
 
 from absl import app
@@ -197,6 +198,11 @@ def run(main, allow_positional_args: bool = False) -> None:
     except KeyboardInterrupt:
       # Ctrl-C is a way to stop, not a fault: no traceback. A run's writes
       # are atomic, so the same command goes on from the last one.
+      # What it cut short (e.g. an event loop of a checkpoint write, half
+      # made, and its coroutine) is reported by Python at collection as
+      # "Exception ignored ..." and "never awaited"; nothing to act on.
+      sys.unraisablehook = lambda unraisable: None
+      warnings.simplefilter('ignore')
       fail('interrupted; re-run the same command to go on (what was '
            'written before is kept)', EXIT_INTERRUPTED)
     except (NotADirectoryError, IsADirectoryError) as e:

@@ -10,6 +10,7 @@ import re
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -226,6 +227,31 @@ def test_a_second_ctrl_c_during_the_clean_up_is_ignored(tmp_path):
   assert [l for l in stderr.splitlines() if not l.startswith('round ')] == [
       'error: interrupted; re-run the same command to go on (what was '
       'written before is kept)'], stderr[-3000:]
+
+
+def test_ctrl_c_prints_nothing_about_what_it_cut_short(tmp_path):
+  # Ctrl-C in a checkpoint write's asyncio.run left a half-made event loop
+  # and an unawaited coroutine; Python reported both after the error line.
+  script = tmp_path / 'interrupted.py'
+  script.write_text(
+      'from binaries import app\n'
+      'class HalfMade:\n'
+      '  def __del__(self):\n'
+      '    raise AttributeError("_ssock")\n'
+      'async def save():\n'
+      '  pass\n'
+      'def main(argv):\n'
+      '  left = [HalfMade(), save()]\n'
+      '  left.append(left)  # Freed by the collector, after the line.\n'
+      '  raise KeyboardInterrupt\n'
+      'app.run(main)\n')
+  result = subprocess.run([sys.executable, str(script)], cwd=lib.REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env=lib.environment())
+  assert result.returncode == 130, result.stderr[-3000:]
+  assert result.stderr.splitlines() == [
+      'error: interrupted; re-run the same command to go on (what was '
+      'written before is kept)'], result.stderr[-3000:]
 
 
 def test_resume_removes_what_a_cut_off_checkpoint_write_left(
