@@ -243,6 +243,17 @@ def test_word_task_without_vocabulary_is_a_usage_error(sources, tmp_path):
     so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
 
 
+def test_another_datasets_file_is_a_usage_error_that_says_so(tmp_path):
+  # CelebA's file as stackoverflow.sqlite: the error line ended with ': '.
+  from tests import celeba_fixture  # pylint: disable=g-import-not-at-top
+  celeba_fixture.write_celeba_sqlite(tmp_path / so_char.SQLITE_NAME)
+  with pytest.raises(UsageError) as raised:
+    so_char.load_stackoverflow(base.DataConfig(cache_dir=str(tmp_path)))
+  assert str(raised.value) == (
+      f'cannot read StackOverflow from {tmp_path}/stackoverflow.sqlite: it '
+      "holds no clients of the task's splits (another dataset's file?)")
+
+
 def test_word_task_with_an_empty_vocabulary_is_a_usage_error(sources,
                                                             tmp_path):
   # TFF's task builder raised a ValueError: a traceback.
