@@ -52,6 +52,11 @@ def main(argv):
   flags_lib.apply_built_task_defaults(task)
   config = run_config()
   config.validate(task.num_train_clients)
+  if FLAGS.num_workers > config.clients_per_round:
+    # Every worker is a process of its own, started even without a client.
+    raise UsageError(f'--num_workers={FLAGS.num_workers} is more than the '
+                     f'{config.clients_per_round} clients of a round '
+                     '(--clients_per_round); a worker beyond them gets none')
   definition = flags_lib.build_algorithm(task)
   if FLAGS['client_state_dir'].present and not definition.has_client_state:
     raise UsageError(f'--client_state_dir does not apply to --algorithm='

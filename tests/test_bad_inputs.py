@@ -585,6 +585,10 @@ CASES = [
          lambda p: '--worker_addresses: no TFF worker answers at localhost:1 '
          'within 10 s (start one there with `worker_binary --port=PORT`)',
          status=3),
+    # Each started a worker process: 20 for a round of 5 clients.
+    Case('more_workers_than_clients', 'train', train_new('--num_workers=6'),
+         lambda p: '--num_workers=6 is more than the 5 clients of a round '
+         '(--clients_per_round); a worker beyond them gets none'),
     # The native runtime ignored them, impossible values too.
     Case('num_workers_with_the_native_runtime', 'train',
          train_new('--runtime=native', '--num_workers=0'),
