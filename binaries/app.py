@@ -24,6 +24,7 @@ import re
 import signal
 import sqlite3
 import sys
+import warnings
 from typing import Iterator, Optional
 
 from absl import app
@@ -45,7 +46,9 @@ _ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
 _ENVIRONMENT_MESSAGES = ('No space left on device', 'Read-only file system',
                          'Permission denied', 'Disk quota exceeded',
                          'database or disk is full',
-                         'attempt to write a readonly database')
+                         'attempt to write a readonly database',
+                         # Memory: e.g. a model too large for the machine.
+                         'OOM when allocating')
 _RECOVERY = ('fix that and re-run the same command (what was written before '
              'is kept)')
 
@@ -55,7 +58,7 @@ def first_line(text) -> str:
   `{{function_node ...}}` prefix and `[Op:...]` suffix."""
   line = ' '.join(str(text).strip().splitlines()[:1])
   line = re.sub(r'\{\{[^}]*\}\}\s*', '', line)
-  return re.sub(r'\s*\[Op:\w+\]', '', line)
+  return re.sub(r'\s*\[Op:\w+\]( name: ?$)?', '', line)
 
 
 def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
@@ -118,6 +121,12 @@ class _UnusedAssertionFilter(logging_lib.Filter):
 _UNPARSABLE_DATA = 'Could not parse example input'
 
 
+# How TF reports a TFRecord file of the task's data (e.g. a TFDS shard of
+# Wikipedia) that is cut short or not a TFRecord file: a traceback, from
+# this process or from the worker.
+_DAMAGED_RECORD = re.compile(r'(truncated|corrupted) record at \d+')
+
+
 def bad_data_message(error: BaseException) -> Optional[str]:
   """The one-line message for a task's data that cannot be parsed, if
   `error`'s chain (the error, its cause and context) reports it."""
@@ -125,6 +134,12 @@ def bad_data_message(error: BaseException) -> Optional[str]:
     return ('the task\'s data files hold records that cannot be parsed '
             f'({_UNPARSABLE_DATA}): they are damaged or not the files of '
             'this task (--cache_dir, --data_dir)')
+  for link in _chain(error):
+    damaged = _DAMAGED_RECORD.search(str(link))
+    if damaged:
+      return (f'the task\'s data files hold a damaged TFRecord file '
+              f'({damaged.group(0)}): restore them, or use the files of this '
+              'task (--cache_dir, --data_dir)')
   return None
 
 
@@ -145,10 +160,20 @@ def _remove_temp_dir_on_fatal_signals() -> None:
     signal.signal(signum, handler)
 
 
+def _interrupt_once(signum, frame):
+  """SIGINT: KeyboardInterrupt the first time, then ignored. A second one (a
+  second Ctrl-C, or GNU `timeout -s INT`, which signals the process and then
+  its process group) interrupted the clean-up with a traceback."""
+  del signum, frame
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  raise KeyboardInterrupt
+
+
 def run(main, allow_positional_args: bool = False) -> None:
   tff_runtime.install_shutdown_hooks()
   private_temp.use_private_temp_dir()
   _remove_temp_dir_on_fatal_signals()
+  signal.signal(signal.SIGINT, _interrupt_once)
 
   def fail(message: str, status: int):
     print(f'error: {message}', file=sys.stderr)
@@ -173,6 +198,11 @@ def run(main, allow_positional_args: bool = False) -> None:
     except KeyboardInterrupt:
       # Ctrl-C is a way to stop, not a fault: no traceback. A run's writes
       # are atomic, so the same command goes on from the last one.
+      # What it cut short (e.g. an event loop of a checkpoint write, half
+      # made, and its coroutine) is reported by Python at collection as
+      # "Exception ignored ..." and "never awaited"; nothing to act on.
+      sys.unraisablehook = lambda unraisable: None
+      warnings.simplefilter('ignore')
       fail('interrupted; re-run the same command to go on (what was '
            'written before is kept)', EXIT_INTERRUPTED)
     except (NotADirectoryError, IsADirectoryError) as e:

@@ -56,6 +56,26 @@ def _conformal_alphas() -> list[float]:
   return alphas
 
 
+def require_classifier(task) -> None:
+  """UsageError unless `task` predicts one class per example, which is what
+  conformal sets are over (a regression or a sequence model failed with an
+  IndexError)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  loss = task.loss_fn()
+  label = tf.nest.flatten(task.batch_spec[1])
+  per_example = len(label) == 1 and (
+      label[0].shape.rank == 1 or label[0].shape.as_list()[1:] == [1])
+  if not isinstance(loss, (tf.keras.losses.BinaryCrossentropy,
+                           tf.keras.losses.SparseCategoricalCrossentropy)):
+    problem = f'its loss is {type(loss).__name__}, not a cross-entropy'
+  elif not per_example:
+    problem = 'it predicts a sequence of classes per example, not one'
+  else:
+    return
+  raise UsageError(f'--conformal needs a classifier of one class per example; '
+                   f'--task={task.name} is not one ({problem})')
+
+
 def conformal_evaluation(task, weights, alphas: list[float]) -> dict:
   """Conformal rows on the task's main evaluation set, split by --seed."""
   if not 0.0 < FLAGS.calibration_fraction < 1.0:
@@ -101,9 +121,18 @@ def _write_conformal(report: dict, path: str) -> None:
 def main(argv):
   del argv
   app.require_flags('experiment_name')
+  # Each was silently ignored.
+  if FLAGS.export_dir and FLAGS['checkpoint_round'].present:
+    raise UsageError('--checkpoint_round does not apply with --export_dir (the '
+                     'export is evaluated, not a checkpoint); pass one of them')
+  for name in ('conformal_alphas', 'calibration_fraction'):
+    if FLAGS[name].present and not FLAGS.conformal:
+      raise UsageError(f'--{name} does not apply without --conformal')
   alphas = _conformal_alphas() if FLAGS.conformal else None
   restore.load_run_flags()
   task = restore.build_task()
+  if FLAGS.conformal:
+    require_classifier(task)
   if FLAGS.export_dir:
     weights = export_lib.load_model_weights(FLAGS.export_dir, task)
     output = os.path.join(restore.run_dir(), 'evaluation_export.json')

@@ -214,10 +214,16 @@ ALGORITHM_FLAGS = tuple(_SETTINGS_FIELDS)
 # is still refused, and the aggregator settings check the rest.
 _INFINITY_ALLOWED = ('clip_norm',)
 # Batch sizes beyond int32 overflow TF's shape arithmetic in the worker,
-# which then crashes and restarts forever.
-_BATCH_SIZE_FLAGS = ('client_batch_size', 'eval_batch_size',
-                     'central_batch_size')
-_MAX_BATCH_SIZE = 2**31 - 1
+# which then crashes and restarts forever; model sizes beyond it failed
+# with tracebacks of TF's int32 shapes.
+_INT32_SIZE_FLAGS = ('client_batch_size', 'eval_batch_size',
+                     'central_batch_size', 'char_embedding_dim', 'gru_units',
+                     'word_vocab_size', 'movielens_embedding_dim',
+                     'movielens_context_length')
+_MAX_INT32_SIZE = 2**31 - 1
+# Settings become float32 constants of the computations; TFF refuses a
+# larger finite value with a traceback (--clip_norm=1e300).
+_MAX_FLOAT32 = 3.4028234663852886e38
 
 for _flag in flags.FLAGS.get_flags_for_module(__name__):
   if _flag.flag_type() == 'float':
@@ -231,15 +237,19 @@ for _flag in flags.FLAGS.get_flags_for_module(__name__):
       flags.register_validator(
           _flag.name, lambda value: value is None or math.isfinite(value),
           message='must be a finite number')
+    flags.register_validator(
+        _flag.name, lambda value: value is None or not math.isfinite(value)
+        or abs(value) <= _MAX_FLOAT32,
+        message=f'must be at most {_MAX_FLOAT32:.8g} in magnitude (a float32)')
   elif _flag.flag_type() == 'int':
     # TF and NumPy take 64-bit integers (absl any Python int).
     flags.register_validator(
         _flag.name, lambda value: value is None or -2**63 <= value < 2**63,
         message='must fit in a 64-bit integer')
-    if _flag.name in _BATCH_SIZE_FLAGS:
+    if _flag.name in _INT32_SIZE_FLAGS:
       flags.register_validator(
-          _flag.name, lambda value: value is None or value <= _MAX_BATCH_SIZE,
-          message=f'must be at most {_MAX_BATCH_SIZE}')
+          _flag.name, lambda value: value is None or value <= _MAX_INT32_SIZE,
+          message=f'must be at most {_MAX_INT32_SIZE}')
 
 FLAGS = flags.FLAGS
 
@@ -358,6 +368,27 @@ def given_flag_defaults() -> dict:
           if f.present}
 
 
+# The TFF runtime's execution settings; the native runtime starts no worker.
+TFF_EXECUTION_FLAGS = ('num_workers', 'num_subrounds', 'worker_addresses',
+                       'max_concurrent_computation_calls')
+
+
+def check_runtime_flags() -> None:
+  """UsageError for an execution flag of the other runtime, which would
+  ignore it (even an impossible value such as --num_workers=0)."""
+  if FLAGS.runtime == 'tff':
+    if FLAGS['batched_cohorts'].present:
+      raise UsageError('--batched_cohorts does not apply to --runtime=tff (it '
+                       'chooses how the native runtime runs a group); leave '
+                       'it out, or use --runtime=native')
+    return
+  for name in TFF_EXECUTION_FLAGS:
+    if FLAGS[name].present:
+      raise UsageError(f'--{name} does not apply to --runtime=native (it '
+                       'starts no TFF worker); leave it out, or use '
+                       '--runtime=tff')
+
+
 def configure_execution() -> None:
   """The TFF execution context the flags ask for (README, Several TFF
   workers)."""
@@ -379,6 +410,11 @@ def data_config() -> task_base.DataConfig:
     if given:
       raise UsageError(f'--{given[0]} does not apply with '
                        '--use_synthetic_data (synthetic data reads no files)')
+  if FLAGS['client_steps'].present and FLAGS['client_epochs'].present:
+    # K steps replace the epochs: --client_epochs would be ignored.
+    raise UsageError('--client_epochs does not apply with --client_steps (K '
+                     'local steps replace the passes over the data); pass one '
+                     'of them')
   return task_base.DataConfig(
       client_batch_size=FLAGS.client_batch_size,
       client_steps=FLAGS.client_steps,

@@ -48,7 +48,7 @@ def load_run_flags() -> None:
   """Fills flags the user did not set from the run's hparams.json."""
   directory = run_dir()
   path = os.path.join(directory, run_directory.HPARAMS_FILE)
-  if not os.path.isfile(path):
+  if not os.path.lexists(path):
     raise UsageError(f'{path} not found: --experiment_name/--root_output_dir '
                      'must name a run directory made by binaries.train')
   hparams = run_directory.read_hparams(directory)

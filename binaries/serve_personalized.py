@@ -27,6 +27,9 @@ flags.DEFINE_string('inputs_npy', None, '.npy file with a batch of inputs.')
 def main(argv):
   del argv
   app.require_flags('export_dir', 'client_id', 'inputs_npy')
+  if os.path.isdir(FLAGS.inputs_npy):
+    raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} is a directory, not a '
+                     '.npy file')
   if not os.path.isfile(FLAGS.inputs_npy):
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} does not exist')
   try:

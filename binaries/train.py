@@ -11,6 +11,7 @@ from binaries import app
 from binaries import flags_lib
 from pipeline import driver
 from pipeline import run_directory
+from pipeline.errors import UsageError
 from tasks import registry as task_registry
 from tff_algos.aggregation import factories
 
@@ -44,13 +45,22 @@ def main(argv):
   run_directory.run_dir_path(FLAGS.root_output_dir, FLAGS.experiment_name)
   flags_lib.require_known_names()
   task_defaults = flags_lib.apply_task_defaults(FLAGS.task)
+  flags_lib.check_runtime_flags()
   if FLAGS.runtime == 'tff':  # The native runtime never starts TFF's.
     flags_lib.configure_execution()
   task = task_registry.build_task(FLAGS.task, flags_lib.data_config())
   flags_lib.apply_built_task_defaults(task)
   config = run_config()
   config.validate(task.num_train_clients)
+  if FLAGS.num_workers > config.clients_per_round:
+    # Every worker is a process of its own, started even without a client.
+    raise UsageError(f'--num_workers={FLAGS.num_workers} is more than the '
+                     f'{config.clients_per_round} clients of a round '
+                     '(--clients_per_round); a worker beyond them gets none')
   definition = flags_lib.build_algorithm(task)
+  if FLAGS['client_state_dir'].present and not definition.has_client_state:
+    raise UsageError(f'--client_state_dir does not apply to --algorithm='
+                     f'{FLAGS.algorithm}: it keeps no per-client state')
   aggregation = flags_lib.aggregator_settings(task)
   hparams = flags_lib.all_values()
   # Which values came from the task's defaults rather than the command line.

@@ -232,13 +232,25 @@ class CheckpointManager:
 
   def load(self, round_num: int, structure):
     path = os.path.join(self._dir, f'{CHECKPOINT_PREFIX}{round_num}')
+
+    def incompatible(reason):
+      return UsageError(f'checkpoint {path} is corrupted or incompatible with '
+                        f'these flags ({reason}); use the flags it was '
+                        'trained with, or delete it to resume from an '
+                        'earlier one')
+
     try:
       state = asyncio.run(self._manager.load(round_num, structure))
     except Exception as e:  # pylint: disable=broad-except
-      raise UsageError(f'checkpoint {path} is corrupted or incompatible with '
-                       f'these flags ({type(e).__name__}); use the flags it '
-                       'was trained with, or delete it to resume from an '
-                       'earlier one') from e
+      raise incompatible(type(e).__name__) from e
+    # TFF checks only the nesting: a model of another task with as many
+    # variables loaded, then failed (a traceback) where it was used.
+    for stored, expected in zip(tf.nest.flatten(state),
+                                tf.nest.flatten(structure)):
+      if np.shape(stored) != np.shape(expected):
+        raise incompatible(f'a tensor of shape {list(np.shape(stored))} '
+                           f'where these flags make '
+                           f'{list(np.shape(expected))}')
     if int(state['round_num']) != round_num:
       raise UsageError(f'checkpoint {path} holds round {state["round_num"]}')
     return state

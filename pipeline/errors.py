@@ -28,3 +28,15 @@ def not_a_directory(path: str) -> str:
   import os  # pylint: disable=g-import-not-at-top
   return 'is a file, not a directory' if os.path.exists(path) else (
       'does not exist')
+
+
+def load_failure(error: Exception) -> str:
+  """Why a dataset loader failed, for messages: its message, or what an
+  error without one means (TFF's loaders take the first client id with
+  `next`, so a file of the right schema with none of the task's splits,
+  e.g. another task's file, raises a bare StopIteration)."""
+  if str(error):
+    return str(error)
+  if isinstance(error, StopIteration):
+    return 'it holds no clients of the task\'s splits (another dataset\'s file?)'
+  return type(error).__name__

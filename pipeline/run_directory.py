@@ -51,7 +51,7 @@ RESULT_NEUTRAL_KEYS = frozenset({
     'root_output_dir', 'experiment_name',
     'cache_dir', 'data_dir', 'download', 'movielens_dir',
     'runtime', 'num_workers', 'num_subrounds', 'worker_addresses',
-    'max_concurrent_computation_calls',
+    'max_concurrent_computation_calls', 'batched_cohorts',
     'task_defaults_applied', FLAG_CHANGES_KEY,
 })
 
@@ -117,7 +117,12 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   if not os.path.isdir(existing):
     raise UsageError(f'--root_output_dir={root_output_dir} cannot be made: '
                      f'{existing} is a file, not a directory')
-  return os.path.join(root_output_dir, name)
+  path = os.path.join(root_output_dir, name)
+  if os.path.exists(path) and not os.path.isdir(path):
+    # Making the run directory failed with a traceback.
+    raise UsageError(f'{path} is a file, not a run directory; use another '
+                     '--experiment_name')
+  return path
 
 
 class RunLock:
@@ -205,6 +210,11 @@ def remove_unwritten(run_dir: str, before: Optional[frozenset]) -> None:
 def read_hparams(run_dir: str) -> dict:
   """The run's hparams.json as a dict; UsageError if it is not one."""
   path = os.path.join(run_dir, HPARAMS_FILE)
+  if os.path.isdir(path):
+    # Reported as missing, with --allow_flag_changes as a way out that then
+    # failed to write it.
+    raise UsageError(f'{path} is a directory, not the file of the run\'s '
+                     'flags: move it away')
   if not os.path.isfile(path):
     raise UsageError(f'{path} not found: the flags of the run are unknown '
                      '(restore the file, or pass --allow_flag_changes to '
@@ -305,7 +315,7 @@ def check_resume(run_dir: str, start_round: Optional[int],
   if hparams is None:
     return ResumePlan(start_round, None)
   path = os.path.join(run_dir, HPARAMS_FILE)
-  if not os.path.isfile(path) and allow_flag_changes:
+  if not os.path.lexists(path) and allow_flag_changes:
     logging.warning('%s was missing; it now records this command\'s flags',
                     path)
     return ResumePlan(start_round, current)

@@ -292,6 +292,10 @@ def check_tensorboard(directory: str) -> None:
   """UsageError if an events file under `directory` is damaged other than
   by a cut-off last record, or is not one this pipeline wrote (see
   `read_events`). Writes nothing."""
+  if os.path.lexists(directory) and not os.path.isdir(directory):
+    # TensorFlow's summary writer failed on it with a traceback.
+    raise UsageError(f'{directory} is a file, not the run\'s TensorBoard '
+                     'directory: move it away, or use a new --experiment_name')
   for path in event_files(directory):
     read_events(path)
 

@@ -402,7 +402,22 @@ def _remote_worker(address: str):
         f'{REMOTE_CONNECT_SECONDS} s (start one there with `worker_binary '
         '--port=PORT`)') from None
   stub = tff.framework.RemoteExecutorGrpcStub(channel)
-  return lambda: stub
+
+  def stub_fn():
+    # TFF retries a call to a worker that stopped answering forever; it
+    # asks for the stub again before each retry.
+    if not stub.is_ready:
+      try:
+        grpc.channel_ready_future(channel).result(
+            timeout=REMOTE_CONNECT_SECONDS)
+      except grpc.FutureTimeoutError:
+        raise EnvironmentFault(
+            f'--worker_addresses: the TFF worker at {address} stopped '
+            f'answering (not within {REMOTE_CONNECT_SECONDS} s); restart it '
+            'and re-run the same command to resume') from None
+    return stub
+
+  return stub_fn
 
 
 def configure_execution(max_concurrent_computation_calls: int = -1,

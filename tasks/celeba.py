@@ -23,6 +23,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from pipeline.errors import load_failure
 from pipeline.errors import not_a_directory
 from tasks import base
 
@@ -113,7 +114,8 @@ def _load_client_data(config: base.DataConfig):
     return tff.simulation.datasets.celeba.load_data(
         split_by_clients=True, cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
-    raise UsageError(f'cannot read CelebA from {database}: {e}') from e
+    raise UsageError(f'cannot read CelebA from {database}: '
+                     f'{load_failure(e)}') from e
 
 
 def _to_model_input(image: tf.Tensor) -> tf.Tensor:

@@ -154,7 +154,8 @@ class _TfdsSource:
 
 def _options(config: base.DataConfig):
   options = config.options
-  num_clients = options.get('num_clients') or DEFAULT_NUM_CLIENTS
+  # `or` would take an explicit 0 for unset.
+  num_clients = options.get('num_clients', DEFAULT_NUM_CLIENTS)
   alpha = options.get('dirichlet_alpha', 0.1)
   model = options.get('model') or next(iter(cifar_models.MODELS))
   width = options.get('model_width', 1.0)

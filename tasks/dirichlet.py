@@ -63,8 +63,10 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float,
       proportions = random_state.dirichlet(np.repeat(alpha, num_clients))
       not_full = np.array([len(c) < capacity for c in clients])
       proportions = proportions * not_full
-      if proportions.sum() <= 0:
-        break  # Every client with weight is full: redraw.
+      # Every client with weight is full, or the draw underflowed to NaN
+      # (alpha near 0): redraw.
+      if not proportions.sum() > 0:
+        break
       proportions /= proportions.sum()
       cuts = (np.cumsum(proportions) * len(class_indices)).astype(int)[:-1]
       for client, part in zip(clients, np.split(class_indices, cuts)):

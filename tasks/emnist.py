@@ -142,7 +142,8 @@ class _SyntheticSource:
 
 def _options(config: base.DataConfig):
   options = config.options
-  num_clients = options.get('num_clients') or DEFAULT_NUM_CLIENTS
+  # `or` would take an explicit 0 for unset.
+  num_clients = options.get('num_clients', DEFAULT_NUM_CLIENTS)
   similarity = options.get('similarity', 0.0)
   model = options.get('model') or MODELS[0]
   only_digits = bool(options.get('emnist_only_digits', False))

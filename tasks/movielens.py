@@ -285,9 +285,10 @@ def client_step_flops(batch_size, context_ids, embedding_dim: int,
 
 def build_task(config: base.DataConfig) -> base.Task:
   options = config.options
-  embedding_dim = int(options.get('movielens_embedding_dim') or EMBEDDING_DIM)
-  context_length = int(options.get('movielens_context_length') or
-                       CONTEXT_LENGTH)
+  # `or` would take an explicit 0 for unset.
+  embedding_dim = int(options.get('movielens_embedding_dim', EMBEDDING_DIM))
+  context_length = int(options.get('movielens_context_length',
+                                   CONTEXT_LENGTH))
   spreadout_on_clients = bool(options.get('spreadout_on_clients', False))
   spreadout_weight = float(options.get('spreadout_weight', 1.0))
   if embedding_dim < 1:
@@ -295,6 +296,11 @@ def build_task(config: base.DataConfig) -> base.Task:
                      f'{embedding_dim}')
   if context_length < 1:
     raise UsageError(f'--movielens_context_length must be >= 1, got '
+                     f'{context_length}')
+  if context_length > movielens_files.MAX_ID:
+    # Its window of context_length + 1 overflowed TF's int32 (a traceback).
+    raise UsageError(f'--movielens_context_length must be at most '
+                     f'{movielens_files.MAX_ID} (the largest movie id), got '
                      f'{context_length}')
   if not spreadout_weight >= 0:
     raise UsageError(f'--spreadout_weight must be >= 0, got '

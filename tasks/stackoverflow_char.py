@@ -43,6 +43,7 @@ import tensorflow_datasets as tfds
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from pipeline.errors import load_failure
 from pipeline.errors import not_a_directory
 from tasks import base
 from tff_algos import tff_internals
@@ -200,7 +201,8 @@ def load_stackoverflow(config: base.DataConfig):
         cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
     raise UsageError(f'cannot read StackOverflow from '
-                     f'{os.path.join(cache_dir, SQLITE_NAME)}: {e}') from e
+                     f'{os.path.join(cache_dir, SQLITE_NAME)}: '
+                     f'{load_failure(e)}') from e
   return train, test
 
 

@@ -60,6 +60,10 @@ def _read_word_counts(path: str, vocab_size: int) -> collections.OrderedDict:
   except (OSError, ValueError) as e:
     raise UsageError(f'cannot read the StackOverflow vocabulary {path}: '
                      f'{e}') from e
+  if not counts:
+    # TFF's task builder refused the empty vocabulary with a traceback.
+    raise UsageError(f'the StackOverflow vocabulary {path} holds no words '
+                     '(lines `word count`)')
   return counts
 
 

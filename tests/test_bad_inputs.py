@@ -217,6 +217,44 @@ CASES = [
          lambda p: 'flag --client_learning_rate=inf: must be a finite number'),
     Case('nan_learning_rate', 'train', train_new('--server_learning_rate=nan'),
          lambda p: 'flag --server_learning_rate=nan: must be a finite number'),
+    # TFF refused the float32 constant with a traceback.
+    Case('clip_norm_beyond_float32', 'train',
+         train_new('--aggregator=robust', '--clip_norm=1e300'),
+         lambda p: 'flag --clip_norm=1e+300: must be at most 3.4028235e+38 in '
+         'magnitude (a float32)'),
+    Case('learning_rate_beyond_float32', 'train',
+         train_new('--client_learning_rate=1e39'),
+         lambda p: 'flag --client_learning_rate=1e+39: must be at most '
+         '3.4028235e+38 in magnitude (a float32)'),
+    # --client_epochs was ignored.
+    Case('client_epochs_with_client_steps', 'train',
+         train_new('--client_epochs=3'),
+         lambda p: '--client_epochs does not apply with --client_steps (K '
+         'local steps replace the passes over the data); pass one of them'),
+    # An infinite stddev: an overflow warning, then NaN updates.
+    Case('dp_noise_beyond_float32', 'train',
+         train_new('--aggregator=dp', '--clip_norm=1e30',
+                   '--dp_noise_multiplier=1e30'),
+         lambda p: "--dp_noise_multiplier times --clip_norm is the noise's "
+         'stddev, 1e+60: at most 3.4028235e+38 (a float32)'),
+    # An explicit 0 was taken for unset: the default ran silently.
+    Case('emnist_num_clients_0', 'train',
+         train_new('--task=emnist', '--use_synthetic_data',
+                   '--num_clients=0'),
+         lambda p: '--num_clients must be >= 1, got 0'),
+    Case('movielens_embedding_dim_0', 'train',
+         lambda p: ['--task=movielens', '--algorithm=fedavg',
+                    '--use_synthetic_data', '--movielens_embedding_dim=0',
+                    '--experiment_name=new', f'--root_output_dir={p.root}'],
+         lambda p: '--movielens_embedding_dim must be >= 1, got 0'),
+    # Its int32 window overflowed: a traceback.
+    Case('movielens_context_length_huge', 'train',
+         lambda p: ['--task=movielens', '--algorithm=fedavg',
+                    '--use_synthetic_data',
+                    '--movielens_context_length=2147483647',
+                    '--experiment_name=new', f'--root_output_dir={p.root}'],
+         lambda p: '--movielens_context_length must be at most 10000000 (the '
+         'largest movie id), got 2147483647'),
     Case('positional_argument', 'train', lambda p: [*train_new()(p), 'extra'],
          lambda p: 'unexpected positional arguments: extra (every option is '
          'a --flag)'),
@@ -231,6 +269,11 @@ CASES = [
          lambda p: f'--root_output_dir={p.root}/file/runs cannot be made: '
          f'{p.root}/file is a file, not a directory',
          setup=write('file', 'not a directory')),
+    Case('run_directory_is_a_file', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=file',
+                    f'--root_output_dir={p.root}'],
+         lambda p: f'{p.root}/file is a file, not a run directory; use another '
+         '--experiment_name', setup=write('file', 'not a directory')),
     Case('client_steps_beyond_int64', 'train',
          train_new(f'--client_steps={2**63}'),
          lambda p: f'flag --client_steps={2**63}: must fit in a 64-bit '
@@ -240,6 +283,13 @@ CASES = [
     Case('client_batch_size_beyond_int32', 'train',
          train_new(f'--client_batch_size={2**63 - 1}'),
          lambda p: f'flag --client_batch_size={2**63 - 1}: must be at most '
+         '2147483647'),
+    # TF's int32 shapes failed with a traceback.
+    Case('char_embedding_dim_beyond_int32', 'train',
+         lambda p: ['--task=stackoverflow_char', '--algorithm=fedavg',
+                    '--use_synthetic_data', f'--char_embedding_dim={2**40}',
+                    '--experiment_name=new', f'--root_output_dir={p.root}'],
+         lambda p: f'flag --char_embedding_dim={2**40}: must be at most '
          '2147483647'),
     Case('client_state_dir_is_a_file', 'train',
          train_new('--algorithm=scaffold',
@@ -308,6 +358,11 @@ CASES = [
          lambda p: f'the client-state store {p.root} (--client_state_dir) '
          f'holds the run directory {os.path.realpath(p.root)}/new; name a '
          'directory of its own'),
+    # It was ignored.
+    Case('client_state_dir_without_client_states', 'train',
+         train_new(lambda p: f'--client_state_dir={p.root}/store'),
+         lambda p: '--client_state_dir does not apply to --algorithm=fedavg: '
+         'it keeps no per-client state'),
     Case('cache_dir_is_a_file', 'train',
          lambda p: ['--task=celeba_smile', '--algorithm=fedavg',
                     '--experiment_name=new', f'--root_output_dir={p.root}',
@@ -366,6 +421,15 @@ CASES = [
     Case('hparams_not_utf8', 'train', resume_base(),
          lambda p: f'{p.base}/hparams.json is not UTF-8 text (byte 0)',
          setup=write('base/hparams.json', b'\xff{}')),
+    # It was "not found", pointing to --allow_flag_changes.
+    Case('hparams_a_directory', 'train', resume_base('--allow_flag_changes'),
+         lambda p: f'{p.base}/hparams.json is a directory, not the file of the '
+         'run\'s flags: move it away',
+         setup=replace_with_directory('base/hparams.json')),
+    Case('hparams_a_directory_in_evaluate', 'evaluate', of_base(),
+         lambda p: f'{p.base}/hparams.json is a directory, not the file of the '
+         'run\'s flags: move it away',
+         setup=replace_with_directory('base/hparams.json')),
     Case('hparams_a_list', 'evaluate', of_base(),
          lambda p: f'{p.base}/hparams.json must hold a JSON object of flag '
          'values, not a list', setup=write('base/hparams.json', '[1, 2]')),
@@ -395,6 +459,14 @@ CASES = [
          f'this pipeline writes (round_7); move it out of {p.base}/checkpoints',
          setup=lambda p: os.makedirs(os.path.join(p.base, 'checkpoints',
                                                   'round_07'))),
+    # It loaded (TFF checks only the nesting); assigning it was a traceback.
+    Case('checkpoint_of_another_task', 'evaluate',
+         lambda p: ['--experiment_name=fedres', f'--root_output_dir={p.root}',
+                    '--task=fedres_toy'],
+         lambda p: f'checkpoint {p.fedres}/checkpoints/round_2 is corrupted or '
+         'incompatible with these flags (a tensor of shape [10] where these '
+         'flags make [2]); use the flags it was trained with, or delete it '
+         'to resume from an earlier one'),
     Case('hparams_wrong_type', 'export', of_base(),
          lambda p: f'{p.base}/hparams.json: seed=\'abc\' is not a valid '
          "--seed (invalid literal for int() with base 10: 'abc')",
@@ -415,8 +487,22 @@ CASES = [
          'file, or use a new --experiment_name (the run cannot record those '
          'rounds again)',
          setup=remove('base/metrics.csv')),
+    Case('tensorboard_a_file', 'train', resume_base(),
+         lambda p: f'{p.base}/tensorboard is a file, not the run\'s '
+         'TensorBoard directory: move it away, or use a new --experiment_name',
+         setup=lambda p: (shutil.rmtree(os.path.join(p.base, 'tensorboard')),
+                          write('base/tensorboard', 'mine')(p))),
     Case('events_damaged_mid_file', 'train', resume_base(),
          damaged_events_message, setup=damage_second_event_record),
+    # Each was silently ignored.
+    Case('checkpoint_round_with_export_dir', 'evaluate',
+         of_base('--checkpoint_round=2',
+                 lambda p: f'--export_dir={p.base}/export'),
+         lambda p: '--checkpoint_round does not apply with --export_dir (the '
+         'export is evaluated, not a checkpoint); pass one of them'),
+    Case('conformal_alphas_without_conformal', 'evaluate',
+         of_base('--conformal_alphas=0.1'),
+         lambda p: '--conformal_alphas does not apply without --conformal'),
     Case('checkpoint_round_missing', 'evaluate',
          of_base('--checkpoint_round=7'),
          lambda p: f'--checkpoint_round=7: {p.base}/checkpoints has no '
@@ -429,11 +515,23 @@ CASES = [
          of_base(lambda p: f'--export_dir={p.root}/garbled'),
          lambda p: f'--export_dir={p.root}/garbled is not a readable export '
          'of this pipeline (OSError)', setup=garble_export),
+    # An IndexError: conformal sets are over one class per example.
+    Case('conformal_on_a_regression_task', 'evaluate',
+         lambda p: ['--experiment_name=fedres', f'--root_output_dir={p.root}',
+                    '--task=fedres_toy', '--conformal'],
+         lambda p: '--conformal needs a classifier of one class per example; '
+         '--task=fedres_toy is not one (its loss is QuadraticLinearLoss, not a '
+         'cross-entropy)'),
     Case('serve_wrongly_shaped_input', 'serve_personalized',
          serve('fedres/export'),
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
          '[2, 3, 4] and dtype float64 do not fit the export\'s `features` '
          '(shape [None, 10], dtype float32)', setup=wrongly_shaped_inputs),
+    # It "does not exist".
+    Case('serve_input_a_directory', 'serve_personalized',
+         serve('fedres/export', 'fedres'),
+         lambda p: f'--inputs_npy={p.root}/fedres is a directory, not a .npy '
+         'file'),
     Case('serve_empty_input_file', 'serve_personalized',
          serve('fedres/export', 'empty.npy'),
          lambda p: f'--inputs_npy={p.root}/empty.npy is not a .npy array: '
@@ -497,6 +595,24 @@ CASES = [
          lambda p: '--worker_addresses: no TFF worker answers at localhost:1 '
          'within 10 s (start one there with `worker_binary --port=PORT`)',
          status=3),
+    # Each started a worker process: 20 for a round of 5 clients.
+    Case('more_workers_than_clients', 'train', train_new('--num_workers=6'),
+         lambda p: '--num_workers=6 is more than the 5 clients of a round '
+         '(--clients_per_round); a worker beyond them gets none'),
+    # The native runtime ignored them, impossible values too.
+    Case('num_workers_with_the_native_runtime', 'train',
+         train_new('--runtime=native', '--num_workers=0'),
+         lambda p: '--num_workers does not apply to --runtime=native (it '
+         'starts no TFF worker); leave it out, or use --runtime=tff'),
+    Case('worker_addresses_with_the_native_runtime', 'train',
+         train_new('--runtime=native', '--worker_addresses=garbage'),
+         lambda p: '--worker_addresses does not apply to --runtime=native (it '
+         'starts no TFF worker); leave it out, or use --runtime=tff'),
+    Case('batched_cohorts_with_the_tff_runtime', 'train',
+         train_new('--batched_cohorts=on'),
+         lambda p: '--batched_cohorts does not apply to --runtime=tff (it '
+         'chooses how the native runtime runs a group); leave it out, or use '
+         '--runtime=native'),
     Case('worker_addresses_without_a_worker', 'train',
          train_new('--worker_addresses=,,,'),
          lambda p: "--worker_addresses=',,,' names no worker (host:port,"

@@ -112,6 +112,18 @@ def test_missing_cache_dir_is_a_usage_error(tmp_path):
     celeba.build_task(_config(str(tmp_path), 'mixed'))
 
 
+def test_another_datasets_file_is_a_usage_error_that_says_so(tmp_path):
+  # StackOverflow's file as celeba.sqlite: TFF's loader raised a bare
+  # StopIteration, and the error line ended with ': '.
+  from tests import stackoverflow_fixture  # pylint: disable=g-import-not-at-top
+  stackoverflow_fixture.write_stackoverflow_sqlite(tmp_path / 'celeba.sqlite')
+  with pytest.raises(UsageError) as raised:
+    celeba.build_task(_config(str(tmp_path), 'mixed'))
+  assert str(raised.value) == (
+      f'cannot read CelebA from {tmp_path}/celeba.sqlite: it holds no clients '
+      "of the task's splits (another dataset's file?)")
+
+
 def test_unknown_mode_is_a_usage_error(cache_dir):
   with pytest.raises(UsageError, match='celeba_mode'):
     celeba.build_task(_config(cache_dir[0], 'sideways'))

@@ -1,5 +1,7 @@
 """tasks.dirichlet: FedDF's Dirichlet label partition."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,12 @@ def test_bad_arguments():
     dirichlet.dirichlet_partition(labels, 0, 0.5, seed=0)
   with pytest.raises(ValueError, match='cannot fill'):
     dirichlet.dirichlet_partition(labels[:3], 5, 0.5, seed=0)
+
+
+def test_alpha_near_zero_is_a_partition_error_without_warnings():
+  # Its draws are NaN; the cast of NaN cuts printed a RuntimeWarning.
+  labels = np.repeat(np.arange(10), 20)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    with pytest.raises(dirichlet.PartitionError):
+      dirichlet.dirichlet_partition(labels, 5, 1e-300, seed=0)

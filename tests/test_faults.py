@@ -10,6 +10,7 @@ import re
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -202,6 +203,57 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
   assert not os.listdir(temp)  # The stale temp dir went at the start.
 
 
+@pytest.mark.time_limit(300)
+def test_a_second_ctrl_c_during_the_clean_up_is_ignored(tmp_path):
+  # As `timeout -s INT` sends it (to the process, then to its group): the
+  # second one interrupted the clean-up with a traceback.
+  process = subprocess.Popen(
+      lib.binary_command('binaries.train', *lib.DIGITS_FLAGS,
+                         '--total_rounds=100000',
+                         '--rounds_per_checkpoint=100000',
+                         '--experiment_name=twice',
+                         f'--root_output_dir={tmp_path}'),
+      cwd=lib.REPO, env=lib.environment(), stdin=subprocess.DEVNULL,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    wait_for_rows(tmp_path / 'twice', 2, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+  finally:
+    process.kill()
+  assert process.returncode == 130, stderr[-3000:]
+  assert [l for l in stderr.splitlines() if not l.startswith('round ')] == [
+      'error: interrupted; re-run the same command to go on (what was '
+      'written before is kept)'], stderr[-3000:]
+
+
+def test_ctrl_c_prints_nothing_about_what_it_cut_short(tmp_path):
+  # Ctrl-C in a checkpoint write's asyncio.run left a half-made event loop
+  # and an unawaited coroutine; Python reported both after the error line.
+  script = tmp_path / 'interrupted.py'
+  script.write_text(
+      'from binaries import app\n'
+      'class HalfMade:\n'
+      '  def __del__(self):\n'
+      '    raise AttributeError("_ssock")\n'
+      'async def save():\n'
+      '  pass\n'
+      'def main(argv):\n'
+      '  left = [HalfMade(), save()]\n'
+      '  left.append(left)  # Freed by the collector, after the line.\n'
+      '  raise KeyboardInterrupt\n'
+      'app.run(main)\n')
+  result = subprocess.run([sys.executable, str(script)], cwd=lib.REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env=lib.environment())
+  assert result.returncode == 130, result.stderr[-3000:]
+  assert result.stderr.splitlines() == [
+      'error: interrupted; re-run the same command to go on (what was '
+      'written before is kept)'], result.stderr[-3000:]
+
+
 def test_resume_removes_what_a_cut_off_checkpoint_write_left(
     base, train_binary, tmp_path):
   # Killed inside round 3's checkpoint write, after its row and events:
@@ -360,6 +412,15 @@ _GrpcError.__module__ = 'grpc._channel'
                 'function_node cond}}{{node WriteFile}}]]\nHint: ..."\n>'),
      '/r/s/round_2/AA.state; No space left on device'),
     (EnvironmentFault('the TFF worker w exited'), 'the TFF worker w exited'),
+    # A model too large for memory (--movielens_embedding_dim=2**40) was a
+    # traceback.
+    (tf.errors.ResourceExhaustedError(
+        None, None, '{{function_node x}} OOM when allocating tensor with '
+        'shape[41,1099511627776] and type float on /job:localhost/replica:0/'
+        'task:0/device:CPU:0 by allocator mklcpu [Op:StatelessRandomNormalV2] '
+        'name: '),
+     'OOM when allocating tensor with shape[41,1099511627776] and type float '
+     'on /job:localhost/replica:0/task:0/device:CPU:0 by allocator mklcpu'),
 ])
 def test_environment_faults_are_recognized(error, expected):
   try:

@@ -22,6 +22,7 @@ import tensorflow_federated as tff
 
 from pipeline import driver
 from pipeline import tff_runtime
+from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 import scaffold_testlib as lib
 from test_native_runtime import tiny_task
@@ -200,6 +201,29 @@ def test_two_remote_workers_on_loopback_give_the_one_worker_run(
   assert all(not psutil.pid_exists(w.pid) or
              psutil.Process(w.pid).status() == psutil.STATUS_ZOMBIE
              for w in workers)
+
+
+@pytest.mark.time_limit(120)
+def test_a_remote_worker_that_stops_is_an_error_not_a_hang(
+    restore_default_context):
+  # TFF retried the call forever: training hung at 0% CPU.
+  del restore_default_context
+  port = portpicker.pick_unused_port()
+  worker = subprocess.Popen(
+      [tff_runtime.worker_binary_path(), f'--port={port}'],
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+      stdin=subprocess.DEVNULL)
+  try:
+    tff_runtime.configure_execution(worker_addresses=(f'localhost:{port}',))
+    add_one = tff.tensorflow.computation(lambda x: x + 1, np.int32)
+    assert add_one(1) == 2
+    worker.kill()
+    worker.wait(timeout=30)
+    with pytest.raises(EnvironmentFault, match='stopped answering'):
+      add_one(2)
+  finally:
+    worker.kill()
+    worker.wait(timeout=30)
 
 
 def test_sub_rounds_on_one_worker_give_the_one_worker_run(

@@ -241,3 +241,54 @@ def test_word_task_without_vocabulary_is_a_usage_error(sources, tmp_path):
   shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
   with pytest.raises(UsageError, match='has no stackoverflow.word_count'):
     so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
+
+
+def test_another_datasets_file_is_a_usage_error_that_says_so(tmp_path):
+  # CelebA's file as stackoverflow.sqlite: the error line ended with ': '.
+  from tests import celeba_fixture  # pylint: disable=g-import-not-at-top
+  celeba_fixture.write_celeba_sqlite(tmp_path / so_char.SQLITE_NAME)
+  with pytest.raises(UsageError) as raised:
+    so_char.load_stackoverflow(base.DataConfig(cache_dir=str(tmp_path)))
+  assert str(raised.value) == (
+      f'cannot read StackOverflow from {tmp_path}/stackoverflow.sqlite: it '
+      "holds no clients of the task's splits (another dataset's file?)")
+
+
+def test_word_task_with_an_empty_vocabulary_is_a_usage_error(sources,
+                                                            tmp_path):
+  # TFF's task builder raised a ValueError: a traceback.
+  import shutil  # pylint: disable=import-outside-toplevel
+  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
+  (tmp_path / 'stackoverflow.word_count').write_text('')
+  with pytest.raises(UsageError, match='stackoverflow.word_count holds no '
+                     'words'):
+    so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize('damage, found', [
+    # Read by the evaluation in this process.
+    (lambda content: content[:len(content) // 2], 'truncated record at 3301'),
+    # Read by the central model's stream in the worker, through gRPC.
+    (lambda content: b'garbage' * 400, 'corrupted record at 0'),
+])
+def test_damaged_wikipedia_shard_ends_training_with_one_error_line(
+    sources, tmp_path, damage, found):
+  # Both were DataLossError tracebacks.
+  import shutil  # pylint: disable=g-import-not-at-top
+  from tests import fault_testlib  # pylint: disable=g-import-not-at-top
+  data_dir = tmp_path / 'tfds'
+  shutil.copytree(sources['data_dir'], data_dir)
+  (shard,) = data_dir.glob('wikipedia/*/*/*.tfrecord-00000-of-*')
+  shard.write_bytes(damage(shard.read_bytes()))
+  result = fault_testlib.run_binary(
+      'binaries.train', '--task=stackoverflow_char', '--algorithm=mixed_pt',
+      f'--cache_dir={sources["cache_dir"]}', f'--data_dir={data_dir}',
+      '--gru_units=8', '--char_embedding_dim=4', '--client_steps=1',
+      '--clients_per_round=2', '--central_batch_size=4', '--total_rounds=1',
+      '--experiment_name=bad', f'--root_output_dir={tmp_path / "runs"}')
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: the task's data files hold a damaged TFRecord file "
+      f'({found}): restore them, or use the files of this task '
+      '(--cache_dir, --data_dir)')

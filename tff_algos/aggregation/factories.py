@@ -48,6 +48,7 @@ DP = 'dp'
 COMPRESSION = 'compression'
 SECURE = 'secure'
 NAMES = (MEAN, ROBUST, DP, COMPRESSION, SECURE)
+_MAX_FLOAT32 = 3.4028234663852886e38
 
 # The settings each aggregator reads (besides `aggregator`).
 FIELDS = {
@@ -93,6 +94,14 @@ class AggregatorSettings:
         raise settings_lib.SettingError(
             'clip_norm', 'must be a finite number > 0 with --aggregator=dp '
             '(the L2 bound of a client\'s update the noise is scaled to)')
+      # The noise's stddev is a float32 of the computation: beyond its
+      # range it is inf, and every update NaN.
+      stddev = self.clip_norm * self.dp_noise_multiplier
+      if stddev > _MAX_FLOAT32:
+        raise settings_lib.SettingError(
+            'dp_noise_multiplier',
+            f'times --clip_norm is the noise\'s stddev, {stddev:g}: at most '
+            f'{_MAX_FLOAT32:.8g} (a float32)')
       if self.dp_clients_per_round is not None and (
           self.dp_clients_per_round < 1):
         raise settings_lib.SettingError(
