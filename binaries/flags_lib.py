@@ -30,7 +30,7 @@ flags.DEFINE_string('root_output_dir', 'runs', 'Root of all run directories.')
 flags.DEFINE_integer('total_rounds', 10, 'Rounds to train (resumes if more).')
 flags.DEFINE_integer('clients_per_round', 10,
                      'Clients sampled per round (default: the task\'s, e.g. '
-                     'all clients for cifar10/cifar100, 20%% for emnist; '
+                     'all clients for cifar10/cifar100, 20% for emnist; '
                      'otherwise 10, or all clients of a smaller '
                      'population).')
 flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
@@ -115,7 +115,8 @@ flags.DEFINE_float('dirichlet_alpha', None,
                    'cifar10/cifar100: concentration of the Dirichlet label '
                    'partition (small: skewed clients; default 0.1).')
 flags.DEFINE_string('model', None,
-                    'Model of the task (digits/emnist: logistic|mlp; '
+                    'Model of the task (digits: logistic|mlp|cnn; emnist: '
+                    'logistic|mlp; '
                     'cifar10/100: vgg11|resnet8); default: the task\'s.')
 flags.DEFINE_float('model_width', 1.0,
                    'Multiplier of layer widths (MLP hidden units, conv '

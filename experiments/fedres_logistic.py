@@ -17,7 +17,8 @@ rounds as under TFF). FedAvg is FedResAvg-I with lambda = 0 (theta stays
 at its zero start): FedAvg with client SGD and server step 1, clients
 weighted equally (they have equal sizes). SCAFFOLD is FedResAvg-II with
 lambda = 0, i.e. SCAFFOLD Option II under full participation
-(digest_fedres.md 2.A). The script cross-checks the FedAvg number against
+(theta stays at 0, so FedResAvg-II's corrected steps and control
+variates are SCAFFOLD's). The script cross-checks the FedAvg number against
 the fedavg algorithm (tff.learning's FedAvg computation) run through the
 driver on TFF's runtime at the chosen learning rate (equal up to batch
 order: FedRes's Step 2 takes the second pass over a client's reshuffled

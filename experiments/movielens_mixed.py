@@ -14,9 +14,11 @@ the baseline and whether the acceptance target holds (recall@10 within 10%
 of the baseline's, at least 90% less client computation and communication).
 
   python experiments/movielens_mixed.py \
-      --movielens_dir=../shared/data/movielens-100k \
+      --movielens_dir=DIR \
       --root_output_dir=/tmp/movielens_mixed --total_rounds=200 \
       --rounds_per_eval=20 --clients_per_round=20
+
+(DIR: a directory holding ML-100K's u.data or ML-1M's ratings.dat.)
 
 Runs that already have a checkpoint resume (same flags, more rounds); runs
 already at or past --total_rounds are not trained again, and every run is
