@@ -31,6 +31,7 @@ import shutil
 from typing import Any, Optional
 
 from pipeline import run_logs
+from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 
 LOCK_FILE = '.lock'
@@ -138,7 +139,16 @@ class RunLock:
 
   def acquire(self) -> 'RunLock':
     """Creates the run directory if needed and locks it."""
-    os.makedirs(self._run_dir, exist_ok=True)
+    try:
+      os.makedirs(self._run_dir, exist_ok=True)
+    except OSError as e:
+      if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                     errno.EPERM):
+        raise  # The binaries name these faults with the path.
+      # E.g. a place the kernel will not make directories in (/proc).
+      raise EnvironmentFault(
+          f'{self._run_dir} cannot be made ({e.strerror}); use another '
+          '--root_output_dir') from None
     path = os.path.join(self._run_dir, LOCK_FILE)
     if self._writable:
       fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)

@@ -373,7 +373,9 @@ def parse_worker_addresses(addresses: str) -> tuple[str, ...]:
   parsed = []
   for address in (a.strip() for a in addresses.split(',') if a.strip()):
     host, _, port = address.rpartition(':')
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # A scheme or path (http://host:port) would only fail after the wait.
+    if (not host or '/' in host or any(c.isspace() for c in host) or
+        not port.isdigit() or not 0 < int(port) < 65536):
       raise UsageError(f'--worker_addresses: {address!r} is not host:port '
                        '(e.g. localhost:8000)')
     parsed.append(address)

@@ -617,6 +617,16 @@ CASES = [
          train_new('--worker_addresses=,,,'),
          lambda p: "--worker_addresses=',,,' names no worker (host:port,"
          'host:port; empty runs locally)'),
+    Case('worker_address_with_a_scheme', 'train',
+         train_new('--worker_addresses=http://localhost:8000'),
+         lambda p: "--worker_addresses: 'http://localhost:8000' is not "
+         'host:port (e.g. localhost:8000)'),
+    # The kernel makes no directories in /proc (ENOENT, not EROFS).
+    Case('run_directory_cannot_be_made', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=new',
+                    '--root_output_dir=/proc/no_run_here'],
+         lambda p: '/proc/no_run_here/new cannot be made (No such file or '
+         'directory); use another --root_output_dir', status=3),
     Case('read_only_new_run', 'train', train_new(),
          lambda p: f'{p.root}/new: Read-only file system; {RECOVERY}',
          status=3, during=read_only_root),

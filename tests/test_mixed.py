@@ -524,6 +524,7 @@ def test_baseline_communication_bytes(data):
     (2, dict(merge_learning_rate=0.0), 'merge_learning_rate'),
     (2, dict(mixed_diagnostics=True, federated_weight=0.0),
      'mixed_diagnostics'),
+    (2, dict(federated_weight=0.0, central_weight=0.0), 'federated_weight'),
 ])
 def test_bad_configuration_is_a_usage_error(client_steps, settings, name):
   # A SettingError names the flag; the binaries print `error: --<name> ...`.

@@ -57,6 +57,10 @@ class OneWayGtSettings(settings_lib.ClientOptimizerSettings):
     if self.central_batch_size < 1:
       raise settings_lib.SettingError(
           'central_batch_size', f'must be >= 1, got {self.central_batch_size}')
+    if self.federated_weight == 0 and self.central_weight == 0:
+      raise settings_lib.SettingError(
+          'federated_weight', 'and --central_weight are both 0: the mixed '
+          'loss would be zero; make at least one positive')
     if self.mixed_diagnostics and not (self.federated_weight > 0 and
                                        self.central_weight > 0):
       raise settings_lib.SettingError(
