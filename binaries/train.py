@@ -74,7 +74,9 @@ def main(argv):
   summary = ', '.join(f'{k}={v:.4f}' for k, v in sorted(
       result.last_metrics.items()) if k.startswith(('train/loss', 'eval')))
   logging.info('finished round %d: %s', result.round_num, summary)
-  print(f'{config.run_dir}: round {result.round_num} {summary}')
+  # A finished run re-run trains no round: there is no new row to show.
+  print(f'{config.run_dir}: round {result.round_num} '
+        f'{summary or "(already trained; nothing to do)"}')
 
 
 if __name__ == '__main__':

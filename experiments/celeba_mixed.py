@@ -42,7 +42,7 @@ def train(name, algorithm, mode, args, extra_flags):
       f'--total_rounds={args.total_rounds}',
       f'--rounds_per_eval={args.rounds_per_eval}', f'--seed={args.seed}',
   ] + extra_flags
-  print('$', ' '.join(command[1:]), flush=True)
+  print('$ python', ' '.join(command[1:]), flush=True)
   subprocess.run(command, check=True, cwd=REPO)
 
 

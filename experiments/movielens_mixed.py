@@ -54,7 +54,7 @@ def train(name, algorithm, args, extra_flags):
       f'--rounds_per_eval={args.rounds_per_eval}',
       f'--rounds_per_checkpoint={args.total_rounds}', f'--seed={args.seed}',
   ] + extra_flags
-  print('$', ' '.join(command[1:]), flush=True)
+  print('$ python', ' '.join(command[1:]), flush=True)
   subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
 
 

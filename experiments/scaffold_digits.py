@@ -58,7 +58,7 @@ def train(algorithm, steps, learning_rate, args):
       f'--experiment_name={run_name(algorithm, steps, learning_rate)}',
       f'--root_output_dir={args.root_output_dir}',
   ]
-  print('$', ' '.join(command[2:]), flush=True)
+  print('$ python', ' '.join(command[1:]), flush=True)
   subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
 
 
