@@ -91,50 +91,58 @@ def batches(x, y, batch_size=BATCH_SIZE):
           for i in range(0, len(y), batch_size)]
 
 
-def reference_client(variant, p, theta, x, y, eta, lam, c=None, c_i=None):
-  """One client's round: {delta, theta, loss_sum, num_examples, c_i}."""
+def reference_client(variant, p, theta, x, y, eta, lam, c=None, c_i=None,
+                     batch_fn=batches):
+  """One client's round: {delta, theta, loss_sum, num_examples, c_i}.
+
+  `batch_fn(x, y)` is the list of batches every pass draws (default: one
+  unshuffled epoch in batches of BATCH_SIZE)."""
   p = np.asarray(p, np.float64)
   theta = np.asarray(theta, np.float64).copy()
+  round_batches = batch_fn(x, y)
   loss_sum, out = 0.0, {}
   if variant == 'naive':
     p_i = p.copy()
-    for xb, yb in batches(x, y):
+    for xb, yb in round_batches:
       g_p, g_theta, loss = gradients(p_i, theta, xb, yb)
       p_i -= eta * g_p
       theta -= lam * g_theta
       loss_sum += loss * len(yb)
     delta = p_i - p
   else:
-    for xb, yb in batches(x, y):  # Step 1: theta, p fixed.
+    for xb, yb in round_batches:  # Step 1: theta, p fixed.
       _, g_theta, loss = gradients(p, theta, xb, yb)
       theta -= lam * g_theta
       loss_sum += loss * len(yb)
-    num_steps = len(batches(x, y))
-    if variant == 'sgd':  # Step 2: one large-batch step.
-      g_p, _, _ = gradients(p, theta, x, y)
+    num_steps = len(round_batches)
+    if variant == 'sgd':  # Step 2: one step on the K batches as one.
+      g_p, _, _ = gradients(p, theta,
+                            np.concatenate([b[0] for b in round_batches]),
+                            np.concatenate([b[1] for b in round_batches]))
       delta = -eta * num_steps * g_p
     else:  # Step 2: K corrected steps, theta fixed.
       correction = 0.0 if c is None else np.asarray(c) - np.asarray(c_i)
       p_i, gradient_sum = p.copy(), np.zeros_like(p)
-      for xb, yb in batches(x, y):
+      for xb, yb in round_batches:
         g_p, _, _ = gradients(p_i, theta, xb, yb)
         p_i -= eta * (g_p + correction)
         gradient_sum += g_p
       delta = p_i - p
       out['c_i'] = gradient_sum / num_steps
   out.update(delta=delta, theta=theta, loss_sum=loss_sum,
-             num_examples=len(y))
+             num_examples=sum(len(b[1]) for b in round_batches))
   return out
 
 
 def reference_round(variant, p, thetas, data_by_client, eta, lam, alpha=1.0,
-                    c=None, c_is=None, num_train_clients=None):
+                    c=None, c_is=None, num_train_clients=None,
+                    batch_fn=batches):
   """Server view of one round over the given clients (dict order)."""
   results = {}
   for client_id, (x, y) in data_by_client.items():
     results[client_id] = reference_client(
         variant, p, thetas[client_id], x, y, eta, lam, c,
-        None if c_is is None else c_is[client_id])
+        None if c_is is None else c_is[client_id], batch_fn)
   mean_delta = np.mean([r['delta'] for r in results.values()], axis=0)
   new = collections.OrderedDict(p=np.asarray(p) + alpha * mean_delta,
                                 clients=results)

@@ -5,6 +5,9 @@ global/local feature split, clients of different sizes (K_i = 2 and 3), non-zero
 starting theta_i, c and c_i, and 2 of N = 3 clients sampled (|S|/N rule).
 """
 
+import csv
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -13,6 +16,7 @@ import tensorflow_federated as tff
 import fedres_testing as ft
 import round_testing
 from pipeline import driver
+from tasks import base
 from tff_algos.algorithms import registry
 from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms.fedres import definition as fedres
@@ -284,3 +288,82 @@ def test_personalized_evaluation_uses_each_clients_theta(task, tmp_path,
                              rtol=1e-5)
   np.testing.assert_allclose(results['rmse'],
                              np.sqrt(np.mean(squared_errors)), rtol=1e-5)
+
+
+# Rounds through the driver: theta_i and c_i persist across rounds.
+
+MULTI_ROUND_SIZES = (4, 5, 2)
+MULTI_ROUND_STEPS = 3  # K = 3 batches of 2: client '1' (5 examples) wraps
+# around its data mid-batch, client '2' (2 examples) repeats its data.
+
+
+def _revisiting_seed(num_rounds=3, num_clients=3, per_round=2):
+  """A sampling seed under which some client is sampled in round 1, skips
+  round 2 and returns in round 3 (it must read its round-1 state)."""
+  for seed in range(100):
+    plans = [set(driver.plan_round(seed, r, num_clients,
+                                   per_round).client_indices)
+             for r in range(1, num_rounds + 1)]
+    if plans[0] - plans[1] & plans[2]:
+      return seed, plans
+  raise AssertionError('no suitable seed')
+
+
+def _steps_batches(x, y, steps=MULTI_ROUND_STEPS, batch_size=ft.BATCH_SIZE):
+  """The first `steps` batches of the client's data repeated (unshuffled)."""
+  repeats = steps * batch_size // len(y) + 1
+  x, y = np.concatenate([x] * repeats), np.concatenate([y] * repeats)
+  return ft.batches(x, y, batch_size)[:steps]
+
+
+def test_three_driver_rounds_carry_theta_and_controls(tmp_path):
+  """FedResAvg-II, 3 rounds of 2 of 3 clients through `driver.train` (the
+  CLI's loop), K = 3 steps a pass: each sampled client starts from the
+  theta_i and c_i it left the last time it was sampled (a round earlier or
+  two), the others keep theta_0 and c_i = 0, and w, c (the |S|/N rule) and
+  train/loss follow the numpy rounds."""
+  data = ft.client_data(sizes=MULTI_ROUND_SIZES)
+  task = ft.linear_task(data, base.DataConfig(
+      client_batch_size=ft.BATCH_SIZE, client_steps=MULTI_ROUND_STEPS,
+      shuffle_buffer=1))  # A buffer of one keeps the examples' order.
+  seed, plans = _revisiting_seed()
+  definition = registry.build('fedres_avg', task, _settings('fedres_avg', 2))
+  config = driver.RunConfig(
+      root_output_dir=str(tmp_path), experiment_name='fedres_avg2',
+      total_rounds=3, clients_per_round=2, rounds_per_eval=3,
+      rounds_per_checkpoint=3, seed=seed, export=False)
+  theta_0 = _flat(definition.initial_client_state()['local_model'])
+  p = _flat(driver.initial_model_weights(task, seed).trainable)
+  result = driver.train(definition, task, config)
+
+  thetas = {c: theta_0 for c in data}
+  c, c_is = np.zeros(3), {k: np.zeros(3) for k in data}
+  losses = []
+  for sampled in plans:
+    ids = [str(k) for k in sorted(sampled)]
+    expected = ft.reference_round(
+        'avg', p, thetas, {k: data[k] for k in ids}, ETA, LAMBDA,
+        alpha=ALPHA, c=c, c_is=c_is, num_train_clients=3,
+        batch_fn=_steps_batches)
+    p, c = expected['p'], expected['c']
+    for k in ids:
+      thetas[k] = expected['clients'][k]['theta']
+      c_is[k] = expected['clients'][k]['c_i']
+    losses.append(expected['loss'])
+  np.testing.assert_allclose(_flat(result.model_weights.trainable), p,
+                             **TOLERANCE)
+  np.testing.assert_allclose(_flat(result.server_state['control']), c,
+                             **TOLERANCE)
+  stored = driver.committed_client_states(definition, task, config.run_dir)
+  for client_id, state in zip(data, stored.read(list(data))):
+    np.testing.assert_allclose(_flat(state['local_model']),
+                               thetas[client_id], **TOLERANCE)
+    np.testing.assert_allclose(_flat(state['control']), c_is[client_id],
+                               **TOLERANCE)
+  # Every client has been sampled, and c is the mean of their c_i.
+  assert set().union(*plans) == {0, 1, 2}
+  np.testing.assert_allclose(c, np.mean(list(c_is.values()), axis=0),
+                             rtol=1e-12)
+  with open(os.path.join(config.run_dir, 'metrics.csv')) as f:
+    logged = [float(row['train/loss']) for row in csv.DictReader(f)]
+  np.testing.assert_allclose(logged, losses, **TOLERANCE)
