@@ -90,17 +90,32 @@ def client_datasets(client_batches=CLIENT_BATCHES):
 # --- numpy reference of the algorithms -----------------------------------------
 
 
-def reference_client(theta, client_batches, lr, w_f, augmenting):
+def sgd(learning_rate, momentum=0.0):
+  """tff.learning's sgd / sgdm as a numpy step w, g -> w', its state kept
+  (a <- momentum * a + g; w <- w - learning_rate * a)."""
+  state = {'a': 0.0}
+
+  def step(w, g):
+    state['a'] = momentum * state['a'] + g
+    return w - learning_rate * state['a']
+
+  return step
+
+
+def reference_client(theta, client_batches, lr, w_f, augmenting,
+                     momentum=0.0):
   local = theta.copy()
+  step = sgd(lr, momentum)  # ClientOpt starts fresh every round.
   for batch in client_batches:
-    local -= lr * (w_f * mse_gradient(local, batch) + augmenting)
+    local = step(local, w_f * mse_gradient(local, batch) + augmenting)
   num_examples = sum(len(b[0]) for b in client_batches)
   return local - theta, num_examples, len(client_batches)
 
 
-def reference_federated(theta, lr, w_f, augmenting, client_batches):
+def reference_federated(theta, lr, w_f, augmenting, client_batches,
+                        momentum=0.0):
   """(weighted mean delta, sum of deltas, sum of K_i)."""
-  results = [reference_client(theta, b, lr, w_f, augmenting)
+  results = [reference_client(theta, b, lr, w_f, augmenting, momentum)
              for b in client_batches]
   weights = np.array([r[1] for r in results], np.float64)
   deltas = np.stack([r[0] for r in results])
@@ -108,34 +123,44 @@ def reference_federated(theta, lr, w_f, augmenting, client_batches):
   return mean_delta, deltas.sum(0), sum(r[2] for r in results)
 
 
-def reference_central(theta, central_batches, steps, lr, w_c, augmenting):
+def reference_central(theta, central_batches, steps, lr, w_c, augmenting,
+                      momentum=0.0):
   local = theta.copy()
+  step = sgd(lr, momentum)  # CentralOpt starts fresh every round.
   for batch in central_batches[:steps]:
-    local -= lr * (w_c * mse_gradient(local, batch) + augmenting)
+    local = step(local, w_c * mse_gradient(local, batch) + augmenting)
   return local - theta
 
 
 def reference_round(name, theta, hp, gtilde_c=None, gtilde_f=None,
                     client_batches=CLIENT_BATCHES,
-                    central_batches=CENTRAL_BATCHES, central_steps=None):
+                    central_batches=CENTRAL_BATCHES, central_steps=None,
+                    server_step=None, merge_step=None, momentum=0.0):
   """Next (theta, gtilde_c, gtilde_f) of [MixedFL] Alg. 1 with plain SGD
-  everywhere; the central model takes `central_steps` steps (default K)."""
+  everywhere; the central model takes `central_steps` steps (default K).
+
+  With `momentum`, ClientOpt and CentralOpt are sgdm; `server_step` and
+  `merge_step` (w, g -> w', e.g. `sgd`) are ServerOpt and MergeOpt, whose
+  state the caller keeps across rounds (default: plain SGD at eta_s, eta_m).
+  """
   zeros = np.zeros_like(theta)
   central_steps = central_steps or hp['K']
+  server_step = server_step or sgd(hp['eta_s'])
+  merge_step = merge_step or sgd(hp['eta_m'])
   if name == 'mixed_1wgt':
     g_c = hp['w_c'] * mse_gradient(theta, central_batches[0])
     mean_delta, _, _ = reference_federated(theta, hp['eta'], hp['w_f'], g_c,
-                                           client_batches)
-    return theta + hp['eta_s'] * mean_delta, None, None
+                                           client_batches, momentum)
+    return server_step(theta, -mean_delta), None, None
   two_way = name == 'mixed_2wgt'
   gtilde_c = gtilde_c if two_way else zeros
   gtilde_f = gtilde_f if two_way else zeros
   delta_c = reference_central(theta, central_batches, central_steps,
-                              hp['eta_c'], hp['w_c'], gtilde_f)
+                              hp['eta_c'], hp['w_c'], gtilde_f, momentum)
   mean_delta, delta_sum, steps_sum = reference_federated(
-      theta, hp['eta'], hp['w_f'], gtilde_c, client_batches)
-  x_f = theta + hp['eta_s'] * mean_delta
-  new_theta = theta + hp['eta_m'] * (delta_c + (x_f - theta))
+      theta, hp['eta'], hp['w_f'], gtilde_c, client_batches, momentum)
+  x_f = server_step(theta, -mean_delta)
+  new_theta = merge_step(theta, -(delta_c + (x_f - theta)))
   if not two_way:
     return new_theta, None, None
   new_gtilde_c = -delta_c / (hp['eta_c'] * central_steps) - gtilde_f
@@ -292,6 +317,31 @@ def test_two_way_gradient_transfer_two_rounds(two_way_gt):
   # After round 1, gtilde_c is the mean central gradient and gtilde_f the mean
   # client gradient (no augmentation yet): both non-trivial.
   assert np.linalg.norm(gtilde_c) > 0.01 and np.linalg.norm(gtilde_f) > 0.01
+
+
+@pytest.mark.parametrize('name', [mixed.PARALLEL_TRAINING, mixed.ONE_WAY_GT])
+def test_momentum_optimizers_over_three_rounds(build, name):
+  """ClientOpt, CentralOpt, ServerOpt and MergeOpt all sgdm (momentum 0.9)
+  at eta, eta_c, eta_s, eta_m != 1: ClientOpt and CentralOpt restart every
+  round, ServerOpt's and MergeOpt's momenta carry over, each its own."""
+  algorithm = build(name, HP, client_optimizer='sgdm',
+                    central_optimizer='sgdm', server_optimizer='sgdm',
+                    merge_optimizer='sgdm')
+  state = initial_state(algorithm)
+  theta = INITIAL_THETA
+  server_step, merge_step = sgd(HP['eta_s'], 0.9), sgd(HP['eta_m'], 0.9)
+  round_data = [(CLIENT_BATCHES, CENTRAL_BATCHES),
+                ([CLIENT_BATCHES[1], CLIENT_BATCHES[0]],
+                 CENTRAL_BATCHES[2:] + CENTRAL_BATCHES[:2]),
+                (CLIENT_BATCHES[:1], CENTRAL_BATCHES[4:] + CENTRAL_BATCHES[:4])]
+  for clients, central in round_data:
+    state, _ = run_round(algorithm, state, clients, central)
+    theta, _, _ = reference_round(name, theta, HP, client_batches=clients,
+                                  central_batches=central,
+                                  server_step=server_step,
+                                  merge_step=merge_step, momentum=0.9)
+    np.testing.assert_allclose(model_theta(algorithm, state), theta,
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_a_diverged_client_is_dropped_as_fedavg_drops_it(two_way_gt):
