@@ -6,6 +6,9 @@
 
 Prints the task's evaluation metrics as JSON and writes them to
 <run>/evaluation_round_<N>.json (or <export_dir>/../evaluation_export.json).
+A FedRes checkpoint's report also holds eval_personalized/* (each client's
+global model plus its own theta_i of that round), as training logs them;
+an export is evaluated as the global model only.
 
 --conformal adds split conformal prediction (pipeline.conformal) on the task's
 evaluation data held by the server: a seeded random `--calibration_fraction`
@@ -28,6 +31,7 @@ from binaries import restore
 from pipeline import conformal
 from pipeline import evaluation
 from pipeline import export as export_lib
+from pipeline import run_directory
 from pipeline.errors import UsageError
 
 FLAGS = flags.FLAGS
@@ -118,6 +122,18 @@ def _write_conformal(report: dict, path: str) -> None:
           f'{row["threshold"]:10.4f}', file=sys.stderr)
 
 
+def _personalized_metrics(checkpoint, task) -> dict:
+  """eval_personalized/* of the checkpoint, as training logged them: FedRes
+  evaluates each client with the global model plus its own theta_i, the
+  states the checkpoint's round committed."""
+  # No trainer may write the client states meanwhile.
+  with run_directory.RunLock(restore.run_dir(), writable=False):
+    states = restore.client_states(checkpoint, task)
+    return evaluation.flatten_metrics(
+        checkpoint.definition.personalization.evaluate(
+            checkpoint.state['server_state'], states), 'eval_personalized/')
+
+
 def main(argv):
   del argv
   app.require_flags('experiment_name')
@@ -133,16 +149,20 @@ def main(argv):
   task = restore.build_task()
   if FLAGS.conformal:
     require_classifier(task)
+  checkpoint = None
   if FLAGS.export_dir:
     weights = export_lib.load_model_weights(FLAGS.export_dir, task)
     output = os.path.join(restore.run_dir(), 'evaluation_export.json')
     source = {'export_dir': FLAGS.export_dir}
   else:
-    round_num, weights = restore.load_checkpoint_weights(task)
+    checkpoint = restore.load_checkpoint(task)
+    weights = checkpoint.model_weights
     output = os.path.join(restore.run_dir(),
-                          f'evaluation_round_{round_num}.json')
-    source = {'checkpoint_round': round_num}
+                          f'evaluation_round_{checkpoint.round_num}.json')
+    source = {'checkpoint_round': checkpoint.round_num}
   metrics = evaluation.Evaluator(task)(weights)
+  if checkpoint is not None and checkpoint.definition.personalization:
+    metrics.update(_personalized_metrics(checkpoint, task))
   report = {**source, **metrics}
   if FLAGS.conformal:
     report['conformal'] = conformal_evaluation(task, weights, alphas)

@@ -122,12 +122,6 @@ def _client_state_dir() -> str:
                                                 driver.CLIENT_STATE_DIR)
 
 
-def load_checkpoint_weights(task):
-  """(round, ModelWeights) of the chosen checkpoint of the run."""
-  checkpoint = load_checkpoint(task)
-  return checkpoint.round_num, checkpoint.model_weights
-
-
 def client_states(checkpoint: Checkpoint, task):
   """Read access to the client states of `checkpoint` (e.g. for exporting
   FedRes's personal models); UsageError if a file it names is missing."""

@@ -2,6 +2,7 @@
 cut off inside its checkpoint write, a full disk, a TFF worker that cannot
 start or be reached; and exports that keep a FedRes run's personal models."""
 
+import csv
 import errno
 import glob
 import json
@@ -348,6 +349,32 @@ def test_export_of_a_fedres_run_keeps_its_personal_models(fedres, tmp_path):
   assert served.returncode == 0, served.stderr[-3000:]
   predictions = json.loads(served.stdout)
   assert np.shape(next(iter(predictions.values())))[0] == 3
+
+
+def test_evaluate_of_a_fedres_run_reports_its_personalized_metrics(
+    fedres, tmp_path):
+  """binaries.evaluate on a FedRes checkpoint adds eval_personalized/* (each
+  client's global model plus its own theta_i of that round): the values
+  training logged for that round. It reported the global model only."""
+  run = lib.copy_run(fedres, tmp_path / 'fedres')
+  with open(os.path.join(run, 'metrics.csv')) as f:
+    logged = list(csv.DictReader(f))[-1]
+  evaluate = lib.preloaded('evaluate')
+  try:
+    evaluated = evaluate.run(['--experiment_name=fedres',
+                              f'--root_output_dir={tmp_path}'])
+  finally:
+    evaluate.close()
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  report = json.loads(evaluated.stdout)
+  assert report['checkpoint_round'] == int(logged['round_num']) == 2
+  personalized = {k: v for k, v in report.items()
+                  if k.startswith('eval_personalized/')}
+  assert {'eval_personalized/loss',
+          'eval_personalized/num_clients'} <= set(personalized)
+  for name, value in {**personalized, 'eval/loss': report['eval/loss']}.items():
+    assert value == pytest.approx(float(logged[name]), rel=1e-6), name
+  assert report['eval_personalized/loss'] != pytest.approx(report['eval/loss'])
 
 
 @pytest.fixture
