@@ -1,0 +1,76 @@
+"""The experiments' command line, held to the binaries' standard
+(binaries/app.py): bad input ends with one line `error: ...` and status 2,
+an environment fault with status 3, Ctrl-C with 130, never a traceback.
+
+The experiments parse their flags with argparse, whose own error is a usage
+block and a `prog: error: ...` line; the binaries they run print their own
+error line, which a CalledProcessError traceback used to follow.
+"""
+
+import argparse
+import math
+import subprocess
+import sys
+from typing import Callable
+
+from binaries import app
+from pipeline.errors import UsageError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse with the binaries' one error line."""
+
+  def error(self, message):
+    print(f'error: {message}', file=sys.stderr)
+    sys.exit(app.EXIT_USAGE)
+
+
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):
+    raise ValueError(text)
+  return value
+
+
+def comma_list(kind: type) -> Callable[[str], list]:
+  """An argparse `type` of comma-separated ints or (finite) floats; a bad
+  item was a ValueError traceback after parsing."""
+  parse_item, noun = {int: (int, 'integers'),
+                      float: (_finite_float, 'finite numbers')}[kind]
+
+  def parse(text: str) -> list:
+    try:
+      return [parse_item(item) for item in text.split(',')]
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f'{text!r} is not a comma-separated list of {noun}') from None
+
+  return parse
+
+
+def run_binary(command: list[str], **kwargs) -> None:
+  """Runs a binary of the project; when it fails, this process ends with
+  its status, below the binary's own `error: ...` line."""
+  status = subprocess.run(command, check=False, **kwargs).returncode
+  if status:
+    sys.exit(status if status > 0 else 128 - status)  # -N: killed by N.
+
+
+def run_main(main: Callable[[], int]) -> None:
+  """sys.exit(main()), with the binaries' error lines and statuses."""
+  try:
+    status = main()
+  except UsageError as e:
+    print(f'error: {e}', file=sys.stderr)
+    status = app.EXIT_USAGE
+  except KeyboardInterrupt:
+    print('error: interrupted; re-run the same command to go on (the runs '
+          'trained so far are kept)', file=sys.stderr)
+    status = app.EXIT_INTERRUPTED
+  except Exception as e:  # pylint: disable=broad-except
+    message = app.environment_fault_message(e)
+    if message is None:
+      raise
+    print(f'error: {message}', file=sys.stderr)
+    status = app.EXIT_ENVIRONMENT
+  sys.exit(status)
