@@ -644,14 +644,24 @@ def run_parent() -> None:
                         ('sweep_clients', [])):
       if not FLAGS[name].present:
         FLAGS[name].value = value
-  sweep = sorted({int(c) for c in _SWEEP_CLIENTS.value})
+  try:
+    sweep = sorted({int(c) for c in _SWEEP_CLIENTS.value})
+  except ValueError as e:  # It was a traceback.
+    raise UsageError(f'--sweep_clients={",".join(_SWEEP_CLIENTS.value)} must '
+                     'be integers') from e
   largest = max([_CLIENTS_PER_ROUND.value] + sweep)
   if _ROUNDS.value < 1 or _WARMUP_ROUNDS.value < 0:
     raise UsageError('--rounds must be >= 1 and --warmup_rounds >= 0')
   if min([_CLIENTS_PER_ROUND.value] + sweep) < 1:
     raise UsageError('--clients_per_round and --sweep_clients must be >= 1')
-  if _BOUND_THREADS.value < 0:
-    raise UsageError(f'--bound_threads must be >= 0, got {_BOUND_THREADS.value}')
+  # Checked here, not by the measuring children: K=0 timed empty rounds, K<0
+  # never ended (an endless dataset), and a child's refusal was a
+  # RuntimeError traceback around its error line.
+  for flag, minimum in ((_CLIENT_STEPS, 1), (_CLIENT_BATCH_SIZE, 1),
+                        (_NUM_WORKERS, 1), (_CLIENTS_PER_GROUP, 0),
+                        (_BOUND_THREADS, 0)):
+    if flag.value < minimum:
+      raise UsageError(f'--{flag.name} must be >= {minimum}, got {flag.value}')
   if _RUN_ROOT.value is not None and not (
       os.path.isdir(_RUN_ROOT.value) and os.access(_RUN_ROOT.value,
                                                    os.W_OK | os.X_OK)):
