@@ -17,7 +17,6 @@ live in a private directory that is removed at exit (and, after a SIGKILL,
 at the next start of any binary).
 """
 
-import errno
 import logging as logging_lib
 import os
 import re
@@ -33,6 +32,7 @@ from absl import logging
 
 from pipeline import private_temp
 from pipeline import tff_runtime
+from pipeline.errors import ENVIRONMENT_ERRNOS
 from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 
@@ -40,8 +40,6 @@ EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it.
 
-_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                       errno.EPERM)
 # How TensorFlow (gfile, SavedModel) and SQLite report the same faults.
 _ENVIRONMENT_MESSAGES = ('No space left on device', 'Read-only file system',
                          'Permission denied', 'Disk quota exceeded',
@@ -76,7 +74,7 @@ def environment_fault_message(error: BaseException) -> Optional[str]:
   for link in _chain(error):
     if isinstance(link, EnvironmentFault):
       return str(link)
-    if isinstance(link, OSError) and link.errno in _ENVIRONMENT_ERRNOS:
+    if isinstance(link, OSError) and link.errno in ENVIRONMENT_ERRNOS:
       where = f'{link.filename}: ' if link.filename else ''
       return f'{where}{link.strerror}; {_RECOVERY}'
     if isinstance(link, (sqlite3.OperationalError, OSError)) or (

@@ -6,6 +6,14 @@ write-permission errors as environment faults).
 """
 
 
+import errno
+
+# The OS's errors of an environment fault: a full disk or quota, a
+# read-only or not permitted output.
+ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                      errno.EPERM)
+
+
 class UsageError(Exception):
   """Bad user input: unknown names, impossible values, missing/corrupt files.
 

@@ -31,6 +31,7 @@ import shutil
 from typing import Any, Optional
 
 from pipeline import run_logs
+from pipeline.errors import ENVIRONMENT_ERRNOS
 from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 
@@ -142,8 +143,7 @@ class RunLock:
     try:
       os.makedirs(self._run_dir, exist_ok=True)
     except OSError as e:
-      if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                     errno.EPERM):
+      if e.errno in ENVIRONMENT_ERRNOS:
         raise  # The binaries name these faults with the path.
       # E.g. a place the kernel will not make directories in (/proc).
       raise EnvironmentFault(
