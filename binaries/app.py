@@ -125,6 +125,14 @@ _UNPARSABLE_DATA = 'Could not parse example input'
 _DAMAGED_RECORD = re.compile(r'(truncated|corrupted) record at \d+')
 
 
+# How TF's sparse cross-entropy reports a label beyond the model's classes
+# (e.g. 99 in a file of TFF's 62-class EMNIST): a traceback, from this
+# process or from the worker.
+_LABEL_OUT_OF_RANGE = re.compile(
+    r'Received a label value of -?\d+ which is outside the valid range of '
+    r'\[0, \d+\)')
+
+
 def bad_data_message(error: BaseException) -> Optional[str]:
   """The one-line message for a task's data that cannot be parsed, if
   `error`'s chain (the error, its cause and context) reports it."""
@@ -138,6 +146,11 @@ def bad_data_message(error: BaseException) -> Optional[str]:
       return (f'the task\'s data files hold a damaged TFRecord file '
               f'({damaged.group(0)}): restore them, or use the files of this '
               'task (--cache_dir, --data_dir)')
+    label = _LABEL_OUT_OF_RANGE.search(str(link))
+    if label:
+      return (f'the task\'s data files hold a label the model has no class '
+              f'for ({label.group(0)}): they are damaged or not the files of '
+              'this task (--cache_dir, --data_dir)')
   return None
 
 
