@@ -26,6 +26,7 @@ from pipeline.errors import UsageError
 from pipeline.errors import load_failure
 from pipeline.errors import not_a_directory
 from tasks import base
+from tasks import client_database
 
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('celeba_mode',)
@@ -111,11 +112,14 @@ def _load_client_data(config: base.DataConfig):
                        'CelebA); pass --download to fetch it, or '
                        '--use_synthetic_data')
   try:
-    return tff.simulation.datasets.celeba.load_data(
+    train, test = tff.simulation.datasets.celeba.load_data(
         split_by_clients=True, cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
     raise UsageError(f'cannot read CelebA from {database}: '
                      f'{load_failure(e)}') from e
+  client_database.require_readable_client_ids(database, (train, test),
+                                              COMPOSITE_SEPARATOR)
+  return train, test
 
 
 def _to_model_input(image: tf.Tensor) -> tf.Tensor:

@@ -46,6 +46,7 @@ from pipeline.errors import UsageError
 from pipeline.errors import load_failure
 from pipeline.errors import not_a_directory
 from tasks import base
+from tasks import client_database
 from tff_algos import tff_internals
 
 # Keys of `DataConfig.options` this task reads (registry.options).
@@ -203,6 +204,8 @@ def load_stackoverflow(config: base.DataConfig):
     raise UsageError(f'cannot read StackOverflow from '
                      f'{os.path.join(cache_dir, SQLITE_NAME)}: '
                      f'{load_failure(e)}') from e
+  client_database.require_readable_client_ids(
+      os.path.join(cache_dir, SQLITE_NAME), (train, test))
   return train, test
 
 
