@@ -23,7 +23,7 @@ import sys
 from absl import flags
 
 from binaries import app
-from binaries import flags_lib  # pylint: disable=unused-import
+from binaries import flags_lib
 from binaries import restore
 from pipeline import conformal
 from pipeline import evaluation
@@ -33,6 +33,7 @@ from pipeline.errors import UsageError
 FLAGS = flags.FLAGS
 flags.DEFINE_string('export_dir', None,
                     'Evaluate this export instead of a checkpoint.')
+flags_lib.refuse_empty('export_dir')
 flags.DEFINE_boolean('conformal', False,
                      'Also report split conformal prediction sets: coverage '
                      'and mean set size per miscoverage level.')

@@ -252,6 +252,20 @@ for _flag in flags.FLAGS.get_flags_for_module(__name__):
           _flag.name, lambda value: value is None or value <= _MAX_INT32_SIZE,
           message=f'must be at most {_MAX_INT32_SIZE}')
 
+
+
+def refuse_empty(name: str) -> None:
+  """An empty value of the path flag `name` (e.g. `--cache_dir=$UNSET`) is
+  refused: it silently meant the flag's default."""
+  flags.register_validator(
+      name, lambda value: value != '',
+      message='is empty; name a directory, or leave the flag out for its '
+      'default')
+
+
+for _name in ('client_state_dir', 'cache_dir', 'data_dir', 'movielens_dir'):
+  refuse_empty(_name)
+
 FLAGS = flags.FLAGS
 
 # Per-task defaults (the papers' settings), used for flags the user does not

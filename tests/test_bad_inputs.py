@@ -396,6 +396,17 @@ CASES = [
                     '--root_output_dir='],
          lambda p: '--root_output_dir is empty; name the directory that holds '
          'the runs'),
+    # An empty path (e.g. --cache_dir=$UNSET) silently meant the default:
+    # ~/.tff, or the run's latest checkpoint instead of an export.
+    Case('cache_dir_empty', 'train',
+         lambda p: ['--task=celeba_smile', '--algorithm=fedavg',
+                    '--experiment_name=new', f'--root_output_dir={p.root}',
+                    '--cache_dir='],
+         lambda p: 'flag --cache_dir=: is empty; name a directory, or leave '
+         'the flag out for its default'),
+    Case('export_dir_empty', 'evaluate', of_base('--export_dir='),
+         lambda p: 'flag --export_dir=: is empty; name a directory, or leave '
+         'the flag out for its default'),
     Case('experiment_name_dot', 'evaluate',
          lambda p: ['--experiment_name=.', f'--root_output_dir={p.base}'],
          lambda p: "--experiment_name='.' must be a non-empty name without "
