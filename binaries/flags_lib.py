@@ -458,9 +458,13 @@ TASK_OPTION_FLAGS = (
 
 
 def _task_options() -> dict:
-  """Task options; those left unset (None) take each task's own default."""
-  app.check_flags_apply(f'task={FLAGS.task}',
-                        task_registry.options(FLAGS.task), TASK_OPTION_FLAGS)
+  """Task options; those left unset (None) take each task's own default.
+  A data location the task does not read (--cache_dir with digits) is
+  refused with them: it was ignored."""
+  app.check_flags_apply(
+      f'task={FLAGS.task}', task_registry.options(FLAGS.task) +
+      task_registry.data_locations(FLAGS.task),
+      tuple(dict.fromkeys(TASK_OPTION_FLAGS + _DATA_LOCATION_FLAGS)))
   return {name: FLAGS[name].value for name in TASK_OPTION_FLAGS
           if FLAGS[name].value is not None}
 

@@ -30,6 +30,8 @@ from tasks import client_database
 
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('celeba_mode',)
+# The data-location flags it reads (registry.data_locations).
+DATA_LOCATIONS = ('cache_dir', 'download')
 
 IMAGE_SHAPE = (84, 84, 3)
 LABEL = 'smiling'

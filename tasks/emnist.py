@@ -33,6 +33,8 @@ from tasks import partition
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('num_clients', 'similarity', 'model', 'emnist_only_digits',
            'model_width')
+# The data-location flags it reads (registry.data_locations).
+DATA_LOCATIONS = ('cache_dir', 'download')
 
 IMAGE_SHAPE = (28, 28)
 NUM_PIXELS = 28 * 28

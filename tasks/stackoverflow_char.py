@@ -51,6 +51,8 @@ from tff_algos import tff_internals
 
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('char_embedding_dim', 'gru_units', 'max_eval_sequences')
+# The data-location flags it reads (registry.data_locations).
+DATA_LOCATIONS = ('cache_dir', 'data_dir', 'download')
 
 SEQUENCE_LENGTH = 100
 PAD = 0

@@ -396,6 +396,12 @@ CASES = [
                     '--root_output_dir='],
          lambda p: '--root_output_dir is empty; name the directory that holds '
          'the runs'),
+    # digits reads scikit-learn's bundled images: it was ignored.
+    Case('cache_dir_of_a_task_without_files', 'train',
+         train_new(lambda p: f'--cache_dir={p.root}'),
+         lambda p: '--cache_dir does not apply to --task=digits (its flags: '
+         '--model, --num_clients, --similarity, --dirichlet_alpha, '
+         '--l2_regularization)'),
     # An empty path (e.g. --cache_dir=$UNSET) silently meant the default:
     # ~/.tff, or the run's latest checkpoint instead of an export.
     Case('cache_dir_empty', 'train',
