@@ -17,6 +17,7 @@ live in a private directory that is removed at exit (and, after a SIGKILL,
 at the next start of any binary).
 """
 
+import argparse
 import logging as logging_lib
 import os
 import re
@@ -239,6 +240,16 @@ def run(main, allow_positional_args: bool = False) -> None:
     app.run(guarded_main, flags_parser=parse_flags)
   finally:
     tff_runtime.shutdown_workers()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse, for the commands that use it (experiments, peer benchmarks),
+  with the binaries' one line `error: ...` and status 2 instead of its usage
+  block and `prog: error: ...` line."""
+
+  def error(self, message):
+    print(f'error: {message}', file=sys.stderr)
+    sys.exit(EXIT_USAGE)
 
 
 def require_flags(*names: str) -> None:

@@ -17,12 +17,7 @@ from binaries import app
 from pipeline.errors import UsageError
 
 
-class ArgumentParser(argparse.ArgumentParser):
-  """argparse with the binaries' one error line."""
-
-  def error(self, message):
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(app.EXIT_USAGE)
+ArgumentParser = app.ArgumentParser
 
 
 def _finite_float(text: str) -> float:

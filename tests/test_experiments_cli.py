@@ -1,6 +1,7 @@
-"""The experiments' bad flags end with one `error: ...` line and status 2,
-as the binaries' do (experiments/cli.py); each command here fails before
-it trains or imports TensorFlow (a fraction of a second)."""
+"""The experiments' (and the peer benchmark's) bad flags end with one
+`error: ...` line and status 2, as the binaries' do (experiments/cli.py);
+each command here fails before it trains or imports TensorFlow (a fraction
+of a second)."""
 
 import subprocess
 import sys
@@ -43,9 +44,13 @@ def run(module, *args):
     ('experiments.celeba_mixed', ['--runs=mixed_pt', '--check_margin=0.1'],
      'argument --check_margin: compares with fl_only, which --runs leaves '
      'out'),
+    # argparse's usage block and `compare.py: error:` line.
+    ('benchmarks.peers.compare', ['--pairs=0'],
+     '--pairs, --rounds and --warmup_rounds must be >= 1'),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_flags_are_one_error_line(tmp_path, module, args, message):
-  if module not in ('experiments.fedres_toy', 'experiments.fedres_logistic'):
+  if module.startswith(('experiments.scaffold', 'experiments.fedpvr',
+                        'experiments.celeba')):
     args = [f'--root_output_dir={tmp_path}/runs', *args]
   result = run(module, *args)
   assert (result.returncode, result.stderr) == (2, f'error: {message}\n')
