@@ -28,19 +28,34 @@ def _finite_float(text: str) -> float:
 
 
 def comma_list(kind: type) -> Callable[[str], list]:
-  """An argparse `type` of comma-separated ints or (finite) floats; a bad
-  item was a ValueError traceback after parsing."""
+  """An argparse `type` of comma-separated ints or (finite) floats (`kind`
+  int, float, or positive_int); a bad item was a ValueError traceback after
+  parsing."""
   parse_item, noun = {int: (int, 'integers'),
+                      positive_int: (positive_int, 'integers >= 1'),
                       float: (_finite_float, 'finite numbers')}[kind]
 
   def parse(text: str) -> list:
     try:
       return [parse_item(item) for item in text.split(',')]
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
       raise argparse.ArgumentTypeError(
           f'{text!r} is not a comma-separated list of {noun}') from None
 
   return parse
+
+
+def positive_int(text: str) -> int:
+  """An argparse `type`: an integer >= 1 (the in-process experiments passed
+  0 on, to be refused under the driver's flag name, e.g. --total_rounds for
+  --rounds)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{text!r} is not an integer >= 1')
+  return value
 
 
 def run_binary(command: list[str], **kwargs) -> None:

@@ -89,7 +89,7 @@ def _driver_fedavg(task, eta, rounds, seed):
 
 def main():
   parser = cli.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--rounds', type=int, default=10)
+  parser.add_argument('--rounds', type=cli.positive_int, default=10)
   parser.add_argument('--heterogeneities', default='0,1',
                       type=cli.comma_list(float))
   parser.add_argument('--seed', type=int, default=0)

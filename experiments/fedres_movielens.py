@@ -25,9 +25,9 @@ from pipeline import tff_runtime
 def main():
   parser = cli.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--movielens_dir', required=True)
-  parser.add_argument('--rounds', type=int, default=80)
-  parser.add_argument('--clients_per_round', type=int, default=30)
-  parser.add_argument('--client_steps', type=int, default=10)
+  parser.add_argument('--rounds', type=cli.positive_int, default=80)
+  parser.add_argument('--clients_per_round', type=cli.positive_int, default=30)
+  parser.add_argument('--client_steps', type=cli.positive_int, default=10)
   parser.add_argument('--client_learning_rate', type=float, default=0.1)
   parser.add_argument('--local_learning_rate', type=float, default=0.1)
   parser.add_argument('--seed', type=int, default=0)

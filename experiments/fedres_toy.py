@@ -44,9 +44,9 @@ def toy_losses(k: int, rounds: int, seed: int = 0, eval_every: int = 0):
 
 def main():
   parser = cli.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--rounds', type=int, default=300)
+  parser.add_argument('--rounds', type=cli.positive_int, default=300)
   parser.add_argument('--ks', default='1,5,10,20,50',
-                      type=cli.comma_list(int))
+                      type=cli.comma_list(cli.positive_int))
   parser.add_argument('--seed', type=int, default=0)
   args = parser.parse_args()
   tff_runtime.configure_execution()

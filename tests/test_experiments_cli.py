@@ -26,7 +26,12 @@ def run(module, *args):
      "argument --alphas: 'abc' is not a comma-separated list of finite "
      'numbers'),
     ('experiments.fedres_toy', ['--ks=abc'],
-     "argument --ks: 'abc' is not a comma-separated list of integers"),
+     "argument --ks: 'abc' is not a comma-separated list of integers >= 1"),
+    # Refused by the driver as --total_rounds / --client_steps.
+    ('experiments.fedres_toy', ['--rounds=0'],
+     "argument --rounds: '0' is not an integer >= 1"),
+    ('experiments.fedres_toy', ['--ks=5,0'],
+     "argument --ks: '5,0' is not a comma-separated list of integers >= 1"),
     ('experiments.fedres_logistic', ['--heterogeneities=nan'],
      "argument --heterogeneities: 'nan' is not a comma-separated list of "
      'finite numbers'),
