@@ -9,11 +9,13 @@ error line, which a CalledProcessError traceback used to follow.
 
 import argparse
 import math
+import signal
 import subprocess
 import sys
 from typing import Callable
 
 from binaries import app
+from pipeline import tff_runtime
 from pipeline.errors import UsageError
 
 
@@ -60,8 +62,19 @@ def positive_int(text: str) -> int:
 
 def run_binary(command: list[str], **kwargs) -> None:
   """Runs a binary of the project; when it fails, this process ends with
-  its status, below the binary's own `error: ...` line."""
-  status = subprocess.run(command, check=False, **kwargs).returncode
+  its status, below the binary's own `error: ...` line.
+
+  The binary gets SIGTERM when this process dies: killed with SIGTERM, an
+  experiment left its training running on, TFF worker and all. Ctrl-C
+  reaches both (one process group): the binary stops cleanly and says so
+  (subprocess.run SIGKILLed it, and a second line followed).
+  """
+  process = subprocess.Popen(
+      tff_runtime.die_with_parent(command, signal.SIGTERM), **kwargs)
+  try:
+    status = process.wait()
+  except KeyboardInterrupt:
+    status = process.wait()
   if status:
     sys.exit(status if status > 0 else 128 - status)  # -N: killed by N.
 

@@ -3,8 +3,11 @@
 each command here fails before it trains or imports TensorFlow (a fraction
 of a second)."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,3 +87,26 @@ def test_a_failing_training_ends_the_experiment_with_its_status(tmp_path):
                '--client_batch_size=0')
   assert (result.returncode, result.stderr) == (
       2, 'error: --client_batch_size must be >= 1, got 0\n')
+
+
+def test_a_killed_experiment_takes_its_binary_along(tmp_path):
+  # SIGTERM to an experiment left its train process (and that one's TFF
+  # worker) running on.
+  experiment = subprocess.Popen(
+      [sys.executable, '-c',
+       'import sys\n'
+       'from experiments import cli\n'
+       'cli.run_binary([sys.executable, "-c", "import os, time; '
+       'print(os.getpid(), flush=True); time.sleep(60)"])\n'],
+      cwd=lib.REPO, env=lib.environment(), stdout=subprocess.PIPE, text=True)
+  child = int(experiment.stdout.readline())
+  experiment.terminate()
+  experiment.wait(timeout=30)
+  experiment.stdout.close()
+  deadline = time.monotonic() + 10
+  while os.path.exists(f'/proc/{child}') and time.monotonic() < deadline:
+    time.sleep(0.05)
+  gone = not os.path.exists(f'/proc/{child}')
+  if not gone:
+    os.kill(child, signal.SIGKILL)
+  assert gone
