@@ -62,6 +62,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,7 @@ from absl import flags
 from binaries import app  # First: imports TensorFlow quietly.
 from benchmarks import report
 from binaries import process_memory
+from pipeline import tff_runtime
 from pipeline.errors import UsageError
 # Imported before absl parses flags: TF imported later, inside main, builds
 # Keras models as if executing eagerly and fails.
@@ -252,7 +254,6 @@ def _run_driver(runtime: str) -> list[float]:
   """(a): the driver's per-round seconds (eval and checkpoint excluded)."""
   import csv  # pylint: disable=g-import-not-at-top
   from pipeline import driver  # pylint: disable=g-import-not-at-top
-  from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
   from tff_algos.algorithms import registry  # pylint: disable=g-import-not-at-top
   if runtime == 'tff':
     tff_runtime.configure_execution(_MAX_CONCURRENT_CALLS.value,
@@ -306,7 +307,6 @@ def _sampled_ids(task, round_num: int):
 def _run_naive_tff() -> list[float]:
   """(b): build_weighted_fed_avg on a Python list of datasets per round."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
   from tasks import celeba  # pylint: disable=g-import-not-at-top
   tff_runtime.configure_execution(_MAX_CONCURRENT_CALLS.value)
   config = _data_config('fedavg')
@@ -584,7 +584,11 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
       'clients_per_subround', 'clients_per_group', 'bound_threads',
       'fedres_option')]
   started = time.perf_counter()
-  child = subprocess.Popen(command, stdout=subprocess.PIPE,
+  # SIGTERM when this process dies: a killed benchmark left its measuring
+  # child running on (its TFF workers with it).
+  child = subprocess.Popen(tff_runtime.die_with_parent(command,
+                                                       signal.SIGTERM),
+                           stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True,
                            cwd=os.path.dirname(os.path.dirname(
                                os.path.abspath(__file__))))
