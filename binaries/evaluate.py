@@ -16,6 +16,7 @@ for every miscoverage level; the rows go into the JSON report, into
 
 import csv
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ from binaries import restore
 from pipeline import conformal
 from pipeline import evaluation
 from pipeline import export as export_lib
+from pipeline import run_logs
 from pipeline.errors import UsageError
 
 FLAGS = flags.FLAGS
@@ -105,10 +107,12 @@ def conformal_evaluation(task, weights, alphas: list[float]) -> dict:
 
 def _write_conformal(report: dict, path: str) -> None:
   rows = report['rows']
-  with open(path, 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+  text = io.StringIO()
+  writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+  writer.writeheader()
+  writer.writerows(rows)
+  # Whole or not at all: a full disk emptied an earlier report.
+  run_logs.replace_file(path, text.getvalue())
   print(f'conformal sets on {report["eval_set"]} (test top-1 accuracy '
         f'{report["test_top1_accuracy"]:.4f}):', file=sys.stderr)
   print(f'{"alpha":>8} {"1-alpha":>8} {"coverage":>9} {"mean size":>10} '
@@ -149,8 +153,7 @@ def main(argv):
     report['conformal'] = conformal_evaluation(task, weights, alphas)
     _write_conformal(report['conformal'],
                      os.path.splitext(output)[0] + '.conformal.csv')
-  with open(output, 'w') as f:
-    json.dump(report, f, indent=2, sort_keys=True)
+  run_logs.replace_file(output, json.dumps(report, indent=2, sort_keys=True))
   print(json.dumps(report, sort_keys=True))
 
 
