@@ -120,6 +120,12 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
     raise UsageError(f'--root_output_dir={root_output_dir} cannot be made: '
                      f'{existing} is a file, not a directory')
   path = os.path.join(root_output_dir, name)
+  if os.path.islink(path) and not os.path.exists(path):
+    # Making it failed with EEXIST: status 3, "use another
+    # --root_output_dir".
+    raise UsageError(f'{path} is a symbolic link to {os.readlink(path)}, '
+                     'which does not exist (or is a loop of links); make its '
+                     'target a directory, or use another --experiment_name')
   if os.path.exists(path) and not os.path.isdir(path):
     # Making the run directory failed with a traceback.
     raise UsageError(f'{path} is a file, not a run directory; use another '

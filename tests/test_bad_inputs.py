@@ -274,6 +274,15 @@ CASES = [
                     f'--root_output_dir={p.root}'],
          lambda p: f'{p.root}/file is a file, not a run directory; use another '
          '--experiment_name', setup=write('file', 'not a directory')),
+    # Status 3: "cannot be made (File exists); use another
+    # --root_output_dir".
+    Case('run_directory_a_dangling_link', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=link',
+                    f'--root_output_dir={p.root}'],
+         lambda p: f'{p.root}/link is a symbolic link to {p.root}/gone, which '
+         'does not exist (or is a loop of links); make its target a '
+         'directory, or use another --experiment_name',
+         setup=lambda p: os.symlink(f'{p.root}/gone', f'{p.root}/link')),
     Case('client_steps_beyond_int64', 'train',
          train_new(f'--client_steps={2**63}'),
          lambda p: f'flag --client_steps={2**63}: must fit in a 64-bit '
