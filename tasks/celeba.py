@@ -23,7 +23,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
-from pipeline.errors import load_failure
+from pipeline.errors import load_error
 from pipeline.errors import not_a_directory
 from tasks import base
 from tasks import client_database
@@ -117,8 +117,7 @@ def _load_client_data(config: base.DataConfig):
     train, test = tff.simulation.datasets.celeba.load_data(
         split_by_clients=True, cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
-    raise UsageError(f'cannot read CelebA from {database}: '
-                     f'{load_failure(e)}') from e
+    raise load_error('CelebA', database, e) from e
   client_database.require_readable_client_ids(database, (train, test),
                                               COMPOSITE_SEPARATOR)
   return train, test

@@ -25,7 +25,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
-from pipeline.errors import load_failure
+from pipeline.errors import load_error
 from tasks import base
 from tasks import client_database
 from tasks import partition
@@ -186,8 +186,7 @@ def _load_real(config: base.DataConfig, only_digits: bool):
     _, test = tff.simulation.datasets.emnist.load_data(
         only_digits=only_digits, cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
-    raise UsageError(f'cannot read EMNIST from {database}: '
-                     f'{load_failure(e)}') from e
+    raise load_error('EMNIST', database, e) from e
   return (_SqliteSource(database, TRAIN_SPLIT[only_digits],
                         NUM_CLASSES[only_digits]), test, cache_dir)
 

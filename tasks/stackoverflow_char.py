@@ -43,7 +43,7 @@ import tensorflow_datasets as tfds
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
-from pipeline.errors import load_failure
+from pipeline.errors import load_error
 from pipeline.errors import not_a_directory
 from tasks import base
 from tasks import client_database
@@ -203,9 +203,8 @@ def load_stackoverflow(config: base.DataConfig):
     train, _, test = tff.simulation.datasets.stackoverflow.load_data(
         cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
-    raise UsageError(f'cannot read StackOverflow from '
-                     f'{os.path.join(cache_dir, SQLITE_NAME)}: '
-                     f'{load_failure(e)}') from e
+    raise load_error('StackOverflow', os.path.join(cache_dir, SQLITE_NAME),
+                     e) from e
   client_database.require_readable_client_ids(
       os.path.join(cache_dir, SQLITE_NAME), (train, test))
   return train, test

@@ -166,6 +166,27 @@ def test_a_group_passes_non_ascii_client_ids_to_tff():
   assert list(lengths(group['ids'])) == [1, 1]
 
 
+def test_a_download_without_a_network_is_an_environment_fault(tmp_path,
+                                                             monkeypatch):
+  # It was a usage error (status 2), though the same command works once the
+  # network is back.
+  import socket  # pylint: disable=g-import-not-at-top
+  import urllib.error  # pylint: disable=g-import-not-at-top
+  from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
+
+  def offline(**kwargs):
+    del kwargs
+    raise urllib.error.URLError(socket.gaierror(-2, 'Name or service not known'))
+
+  monkeypatch.setattr(tff.simulation.datasets.celeba, 'load_data', offline)
+  with pytest.raises(EnvironmentFault) as raised:
+    celeba.build_task(_config(str(tmp_path), 'mixed', download=True))
+  assert str(raised.value) == (
+      f'cannot download CelebA into {tmp_path}/celeba.sqlite: [Errno -2] Name '
+      'or service not known; check the network (or put the file there '
+      'yourself) and re-run the same command')
+
+
 def test_unknown_mode_is_a_usage_error(cache_dir):
   with pytest.raises(UsageError, match='celeba_mode'):
     celeba.build_task(_config(cache_dir[0], 'sideways'))
