@@ -62,6 +62,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,7 @@ from absl import flags
 from binaries import app  # First: imports TensorFlow quietly.
 from benchmarks import report
 from binaries import process_memory
+from pipeline import tff_runtime
 from pipeline.errors import UsageError
 # Imported before absl parses flags: TF imported later, inside main, builds
 # Keras models as if executing eagerly and fails.
@@ -252,7 +254,6 @@ def _run_driver(runtime: str) -> list[float]:
   """(a): the driver's per-round seconds (eval and checkpoint excluded)."""
   import csv  # pylint: disable=g-import-not-at-top
   from pipeline import driver  # pylint: disable=g-import-not-at-top
-  from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
   from tff_algos.algorithms import registry  # pylint: disable=g-import-not-at-top
   if runtime == 'tff':
     tff_runtime.configure_execution(_MAX_CONCURRENT_CALLS.value,
@@ -306,7 +307,6 @@ def _sampled_ids(task, round_num: int):
 def _run_naive_tff() -> list[float]:
   """(b): build_weighted_fed_avg on a Python list of datasets per round."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
   from tasks import celeba  # pylint: disable=g-import-not-at-top
   tff_runtime.configure_execution(_MAX_CONCURRENT_CALLS.value)
   config = _data_config('fedavg')
@@ -584,7 +584,11 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
       'clients_per_subround', 'clients_per_group', 'bound_threads',
       'fedres_option')]
   started = time.perf_counter()
-  child = subprocess.Popen(command, stdout=subprocess.PIPE,
+  # SIGTERM when this process dies: a killed benchmark left its measuring
+  # child running on (its TFF workers with it).
+  child = subprocess.Popen(tff_runtime.die_with_parent(command,
+                                                       signal.SIGTERM),
+                           stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True,
                            cwd=os.path.dirname(os.path.dirname(
                                os.path.abspath(__file__))))
@@ -644,14 +648,24 @@ def run_parent() -> None:
                         ('sweep_clients', [])):
       if not FLAGS[name].present:
         FLAGS[name].value = value
-  sweep = sorted({int(c) for c in _SWEEP_CLIENTS.value})
+  try:
+    sweep = sorted({int(c) for c in _SWEEP_CLIENTS.value})
+  except ValueError as e:  # It was a traceback.
+    raise UsageError(f'--sweep_clients={",".join(_SWEEP_CLIENTS.value)} must '
+                     'be integers') from e
   largest = max([_CLIENTS_PER_ROUND.value] + sweep)
   if _ROUNDS.value < 1 or _WARMUP_ROUNDS.value < 0:
     raise UsageError('--rounds must be >= 1 and --warmup_rounds >= 0')
   if min([_CLIENTS_PER_ROUND.value] + sweep) < 1:
     raise UsageError('--clients_per_round and --sweep_clients must be >= 1')
-  if _BOUND_THREADS.value < 0:
-    raise UsageError(f'--bound_threads must be >= 0, got {_BOUND_THREADS.value}')
+  # Checked here, not by the measuring children: K=0 timed empty rounds, K<0
+  # never ended (an endless dataset), and a child's refusal was a
+  # RuntimeError traceback around its error line.
+  for flag, minimum in ((_CLIENT_STEPS, 1), (_CLIENT_BATCH_SIZE, 1),
+                        (_NUM_WORKERS, 1), (_CLIENTS_PER_GROUP, 0),
+                        (_BOUND_THREADS, 0)):
+    if flag.value < minimum:
+      raise UsageError(f'--{flag.name} must be >= {minimum}, got {flag.value}')
   if _RUN_ROOT.value is not None and not (
       os.path.isdir(_RUN_ROOT.value) and os.access(_RUN_ROOT.value,
                                                    os.W_OK | os.X_OK)):

@@ -17,7 +17,7 @@ live in a private directory that is removed at exit (and, after a SIGKILL,
 at the next start of any binary).
 """
 
-import errno
+import argparse
 import logging as logging_lib
 import os
 import re
@@ -33,6 +33,7 @@ from absl import logging
 
 from pipeline import private_temp
 from pipeline import tff_runtime
+from pipeline.errors import ENVIRONMENT_ERRNOS
 from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 
@@ -40,8 +41,6 @@ EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it.
 
-_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                       errno.EPERM)
 # How TensorFlow (gfile, SavedModel) and SQLite report the same faults.
 _ENVIRONMENT_MESSAGES = ('No space left on device', 'Read-only file system',
                          'Permission denied', 'Disk quota exceeded',
@@ -76,7 +75,7 @@ def environment_fault_message(error: BaseException) -> Optional[str]:
   for link in _chain(error):
     if isinstance(link, EnvironmentFault):
       return str(link)
-    if isinstance(link, OSError) and link.errno in _ENVIRONMENT_ERRNOS:
+    if isinstance(link, OSError) and link.errno in ENVIRONMENT_ERRNOS:
       where = f'{link.filename}: ' if link.filename else ''
       return f'{where}{link.strerror}; {_RECOVERY}'
     if isinstance(link, (sqlite3.OperationalError, OSError)) or (
@@ -127,6 +126,14 @@ _UNPARSABLE_DATA = 'Could not parse example input'
 _DAMAGED_RECORD = re.compile(r'(truncated|corrupted) record at \d+')
 
 
+# How TF's sparse cross-entropy reports a label beyond the model's classes
+# (e.g. 99 in a file of TFF's 62-class EMNIST): a traceback, from this
+# process or from the worker.
+_LABEL_OUT_OF_RANGE = re.compile(
+    r'Received a label value of -?\d+ which is outside the valid range of '
+    r'\[0, \d+\)')
+
+
 def bad_data_message(error: BaseException) -> Optional[str]:
   """The one-line message for a task's data that cannot be parsed, if
   `error`'s chain (the error, its cause and context) reports it."""
@@ -140,6 +147,11 @@ def bad_data_message(error: BaseException) -> Optional[str]:
       return (f'the task\'s data files hold a damaged TFRecord file '
               f'({damaged.group(0)}): restore them, or use the files of this '
               'task (--cache_dir, --data_dir)')
+    label = _LABEL_OUT_OF_RANGE.search(str(link))
+    if label:
+      return (f'the task\'s data files hold a label the model has no class '
+              f'for ({label.group(0)}): they are damaged or not the files of '
+              'this task (--cache_dir, --data_dir)')
   return None
 
 
@@ -228,6 +240,16 @@ def run(main, allow_positional_args: bool = False) -> None:
     app.run(guarded_main, flags_parser=parse_flags)
   finally:
     tff_runtime.shutdown_workers()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse, for the commands that use it (experiments, peer benchmarks),
+  with the binaries' one line `error: ...` and status 2 instead of its usage
+  block and `prog: error: ...` line."""
+
+  def error(self, message):
+    print(f'error: {message}', file=sys.stderr)
+    sys.exit(EXIT_USAGE)
 
 
 def require_flags(*names: str) -> None:

@@ -19,6 +19,7 @@ for every miscoverage level; the rows go into the JSON report, into
 
 import csv
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -26,17 +27,19 @@ import sys
 from absl import flags
 
 from binaries import app
-from binaries import flags_lib  # pylint: disable=unused-import
+from binaries import flags_lib
 from binaries import restore
 from pipeline import conformal
 from pipeline import evaluation
 from pipeline import export as export_lib
 from pipeline import run_directory
+from pipeline import run_logs
 from pipeline.errors import UsageError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('export_dir', None,
                     'Evaluate this export instead of a checkpoint.')
+flags_lib.refuse_empty('export_dir')
 flags.DEFINE_boolean('conformal', False,
                      'Also report split conformal prediction sets: coverage '
                      'and mean set size per miscoverage level.')
@@ -108,10 +111,12 @@ def conformal_evaluation(task, weights, alphas: list[float]) -> dict:
 
 def _write_conformal(report: dict, path: str) -> None:
   rows = report['rows']
-  with open(path, 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+  text = io.StringIO()
+  writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+  writer.writeheader()
+  writer.writerows(rows)
+  # Whole or not at all: a full disk emptied an earlier report.
+  run_logs.replace_file(path, text.getvalue())
   print(f'conformal sets on {report["eval_set"]} (test top-1 accuracy '
         f'{report["test_top1_accuracy"]:.4f}):', file=sys.stderr)
   print(f'{"alpha":>8} {"1-alpha":>8} {"coverage":>9} {"mean size":>10} '
@@ -168,8 +173,7 @@ def main(argv):
     report['conformal'] = conformal_evaluation(task, weights, alphas)
     _write_conformal(report['conformal'],
                      os.path.splitext(output)[0] + '.conformal.csv')
-  with open(output, 'w') as f:
-    json.dump(report, f, indent=2, sort_keys=True)
+  run_logs.replace_file(output, json.dumps(report, indent=2, sort_keys=True))
   print(json.dumps(report, sort_keys=True))
 
 

@@ -16,7 +16,7 @@ import os
 from absl import flags
 
 from binaries import app
-from binaries import flags_lib  # pylint: disable=unused-import
+from binaries import flags_lib
 from binaries import restore
 from pipeline import driver
 from pipeline import export as export_lib
@@ -24,6 +24,7 @@ from pipeline import run_directory
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('export_dir', None, 'Where to write (default <run>/export).')
+flags_lib.refuse_empty('export_dir')
 
 
 def main(argv):

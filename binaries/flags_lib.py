@@ -252,6 +252,20 @@ for _flag in flags.FLAGS.get_flags_for_module(__name__):
           _flag.name, lambda value: value is None or value <= _MAX_INT32_SIZE,
           message=f'must be at most {_MAX_INT32_SIZE}')
 
+
+
+def refuse_empty(name: str) -> None:
+  """An empty value of the path flag `name` (e.g. `--cache_dir=$UNSET`) is
+  refused: it silently meant the flag's default."""
+  flags.register_validator(
+      name, lambda value: value != '',
+      message='is empty; name a directory, or leave the flag out for its '
+      'default')
+
+
+for _name in ('client_state_dir', 'cache_dir', 'data_dir', 'movielens_dir'):
+  refuse_empty(_name)
+
 FLAGS = flags.FLAGS
 
 # Per-task defaults (the papers' settings), used for flags the user does not
@@ -444,9 +458,13 @@ TASK_OPTION_FLAGS = (
 
 
 def _task_options() -> dict:
-  """Task options; those left unset (None) take each task's own default."""
-  app.check_flags_apply(f'task={FLAGS.task}',
-                        task_registry.options(FLAGS.task), TASK_OPTION_FLAGS)
+  """Task options; those left unset (None) take each task's own default.
+  A data location the task does not read (--cache_dir with digits) is
+  refused with them: it was ignored."""
+  app.check_flags_apply(
+      f'task={FLAGS.task}', task_registry.options(FLAGS.task) +
+      task_registry.data_locations(FLAGS.task),
+      tuple(dict.fromkeys(TASK_OPTION_FLAGS + _DATA_LOCATION_FLAGS)))
   return {name: FLAGS[name].value for name in TASK_OPTION_FLAGS
           if FLAGS[name].value is not None}
 

@@ -15,6 +15,8 @@ import os
 from absl import flags
 
 from binaries import app
+from pipeline.errors import ENVIRONMENT_ERRNOS
+from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 
 FLAGS = flags.FLAGS
@@ -80,7 +82,14 @@ def plot(run_dirs: list[str], metric: str, output: str,
   except (FileExistsError, NotADirectoryError) as e:
     raise UsageError(f'--output={output} cannot be written: {e.filename} '
                      'is a file, not a directory') from e
-  figure.savefig(output, dpi=100)
+  try:
+    figure.savefig(output, dpi=100)
+  except OSError as e:
+    if e.errno in ENVIRONMENT_ERRNOS:
+      raise  # binaries.app names these faults with the path.
+    # E.g. a place the kernel will not make files in (/proc).
+    raise EnvironmentFault(f'--output={output} cannot be written '
+                           f'({e.strerror}); use another --output') from None
   plt.close(figure)
 
 

@@ -41,10 +41,9 @@ def main(argv):
   from tff_algos.algorithms.fedres import export as fedres_export  # pylint: disable=g-import-not-at-top
   server = fedres_export.PersonalizedServer(FLAGS.export_dir)
   try:
-    server.check_inputs(inputs)
-  except UsageError as e:
+    predictions = server(FLAGS.client_id, inputs)
+  except fedres_export.InputError as e:
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy}: {e}') from e
-  predictions = server(FLAGS.client_id, inputs)
   if not all(np.all(np.isfinite(value)) for value in predictions.values()):
     # Finite inputs so large that the model overflows; not valid JSON.
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy}: the predictions for '

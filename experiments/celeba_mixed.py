@@ -17,11 +17,12 @@ then prints a table of eval AUC / loss and writes the AUC and loss curves
 Runs that already have a checkpoint resume (same flags, more rounds).
 """
 
-import argparse
 import csv
 import os
 import subprocess
 import sys
+
+from experiments import cli
 
 # (experiment name, algorithm, celeba_mode)
 RUNS = (
@@ -43,7 +44,7 @@ def train(name, algorithm, mode, args, extra_flags):
       f'--rounds_per_eval={args.rounds_per_eval}', f'--seed={args.seed}',
   ] + extra_flags
   print('$ python', ' '.join(command[1:]), flush=True)
-  subprocess.run(command, check=True, cwd=REPO)
+  cli.run_binary(command, cwd=REPO)
 
 
 def last_and_best(run_dir, metric):
@@ -54,7 +55,7 @@ def last_and_best(run_dir, metric):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--root_output_dir', required=True)
   parser.add_argument('--total_rounds', type=int, default=30)
   parser.add_argument('--rounds_per_eval', type=int, default=1)
@@ -79,7 +80,16 @@ def main():
     extra_flags.append('--use_synthetic_data')
   if args.cache_dir:
     extra_flags.append(f'--cache_dir={os.path.expanduser(args.cache_dir)}')
-  selected = [r for r in RUNS if r[0] in args.runs.split(',')]
+  names = args.runs.split(',')
+  unknown = [name for name in names if name not in [r[0] for r in RUNS]]
+  if unknown:
+    # They were skipped: an empty table, or a KeyError with --check_margin.
+    parser.error(f'argument --runs: {unknown[0]!r} is not one of '
+                 f'{", ".join(r[0] for r in RUNS)}')
+  if args.check_margin is not None and 'fl_only' not in names:
+    parser.error('argument --check_margin: compares with fl_only, which '
+                 '--runs leaves out')
+  selected = [r for r in RUNS if r[0] in names]
   for name, algorithm, mode in selected:
     train(name, algorithm, mode, args, extra_flags)
 
@@ -97,10 +107,10 @@ def main():
           f'{min_loss:9.4f}')
   if args.plot_prefix:
     for metric, suffix in (('eval/auc', 'auc'), ('eval/loss', 'loss')):
-      subprocess.run(
+      cli.run_binary(
           [sys.executable, '-m', 'binaries.plot', *run_dirs,
            f'--metric={metric}', f'--output={args.plot_prefix}_{suffix}.png',
-           f'--title=celeba_smile {metric}'], check=True, cwd=REPO)
+           f'--title=celeba_smile {metric}'], cwd=REPO)
   if args.check_margin is not None:
     failed = [name for name in final_auc if name.startswith('mixed') and
               not final_auc[name] >= final_auc['fl_only'] + args.check_margin]
@@ -112,4 +122,4 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  cli.run_main(main)

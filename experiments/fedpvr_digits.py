@@ -43,7 +43,9 @@ import sys
 
 import numpy as np
 
+from experiments import cli
 from experiments import scaffold_digits
+from pipeline.errors import UsageError
 
 # The CNN of tasks/digits.py: 8 trainable variables in 4 layers.
 NUM_LAYERS = 4
@@ -103,7 +105,7 @@ def train_argv(method: str, alpha: float, seed: int, args) -> list[str]:
 
 def train_in_subprocess(argv: list[str]) -> None:
   print('$ python -m binaries.train', ' '.join(argv), flush=True)
-  subprocess.run([sys.executable, '-m', 'binaries.train', *argv], check=True,
+  cli.run_binary([sys.executable, '-m', 'binaries.train', *argv],
                  cwd=scaffold_digits.REPO, stdout=subprocess.DEVNULL)
 
 
@@ -139,9 +141,14 @@ def summarize(args) -> dict:
     for method in methods(args):
       runs = []
       for seed in args.seeds:
-        rows = read_rows(os.path.join(args.root_output_dir,
-                                      run_name(method, alpha, seed)))[
-                                          :args.total_rounds]
+        run_dir = os.path.join(args.root_output_dir,
+                               run_name(method, alpha, seed))
+        rows = read_rows(run_dir)[:args.total_rounds]
+        if len(rows) < args.at_round:
+          raise UsageError(
+              f'{run_dir} has {len(rows)} rounds, fewer than the '
+              f'{args.at_round} summarized (--at_round, --total_rounds); '
+              'train it first (leave out --summarize_only)')
         accuracy = _column(rows, 'eval/accuracy')
         reached = next((i + 1 for i, a in enumerate(accuracy)
                         if a >= args.target_accuracy), None)
@@ -304,7 +311,7 @@ def plot(results, args, path: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--root_output_dir', required=True)
   parser.add_argument('--fast', action='store_true',
                       help='The test variant: ' + ', '.join(
@@ -333,10 +340,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in FAST.items():
       setattr(args, key, value)
   args.root_output_dir = os.path.abspath(args.root_output_dir)
-  args.alphas = [float(a) for a in str(args.alphas).split(',')]
-  args.seeds = [int(s) for s in str(args.seeds).split(',')]
-  args.pvr_starts = [int(j) for j in str(args.pvr_starts).split(',')]
-  args.at_round = args.at_round or args.total_rounds
+  # Parsed after --fast's values are in.
+  for name, kind in (('alphas', float), ('seeds', int), ('pvr_starts', int)):
+    try:
+      setattr(args, name, cli.comma_list(kind)(str(getattr(args, name))))
+    except argparse.ArgumentTypeError as e:
+      parser.error(f'argument --{name}: {e}')
+  if args.total_rounds < 1:
+    parser.error(f'argument --total_rounds: {args.total_rounds} is not >= 1')
+  if args.at_round is None:
+    args.at_round = args.total_rounds
+  if not 1 <= args.at_round <= args.total_rounds:
+    # 0 or less indexed the accuracy curves from their end.
+    parser.error(f'argument --at_round: {args.at_round} is not a round of '
+                 f'1..{args.total_rounds} (--total_rounds)')
   return args
 
 
@@ -353,4 +370,4 @@ def main(argv=None, train=train_in_subprocess) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  cli.run_main(main)

@@ -25,11 +25,11 @@ order: FedRes's Step 2 takes the second pass over a client's reshuffled
 data).
 """
 
-import argparse
 import contextlib
 import io
 import tempfile
 
+from experiments import cli
 from pipeline import tff_runtime
 
 GRID = (0.1, 0.03, 0.01, 0.003, 0.001)
@@ -88,9 +88,10 @@ def _driver_fedavg(task, eta, rounds, seed):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--rounds', type=int, default=10)
-  parser.add_argument('--heterogeneities', default='0,1')
+  parser = cli.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--rounds', type=cli.positive_int, default=10)
+  parser.add_argument('--heterogeneities', default='0,1',
+                      type=cli.comma_list(float))
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--skip_driver_check', action='store_true')
   args = parser.parse_args()
@@ -102,7 +103,7 @@ def main():
         f'{BATCH_SIZE}, {args.rounds} rounds, full participation')
   print(f'{"alpha":>5} {"algorithm":>13} {"eta":>6} {"lambda":>6} '
         f'{"val loss":>9} {"test loss":>9} {"test acc":>8}')
-  for heterogeneity in [float(h) for h in args.heterogeneities.split(',')]:
+  for heterogeneity in args.heterogeneities:
     validation_task = _task(heterogeneity, args.seed + 1)
     test_task = _task(heterogeneity, args.seed)
     for name, candidates in _candidates().items():
@@ -123,6 +124,6 @@ def main():
 
 if __name__ == '__main__':
   try:
-    main()
+    cli.run_main(main)
   finally:
     tff_runtime.shutdown_workers()

@@ -16,18 +16,18 @@ Run directories (metrics.csv, export/ with the local models) stay under
 --root_output_dir.
 """
 
-import argparse
 import os
 
+from experiments import cli
 from pipeline import tff_runtime
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = cli.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--movielens_dir', required=True)
-  parser.add_argument('--rounds', type=int, default=80)
-  parser.add_argument('--clients_per_round', type=int, default=30)
-  parser.add_argument('--client_steps', type=int, default=10)
+  parser.add_argument('--rounds', type=cli.positive_int, default=80)
+  parser.add_argument('--clients_per_round', type=cli.positive_int, default=30)
+  parser.add_argument('--client_steps', type=cli.positive_int, default=10)
   parser.add_argument('--client_learning_rate', type=float, default=0.1)
   parser.add_argument('--local_learning_rate', type=float, default=0.1)
   parser.add_argument('--seed', type=int, default=0)
@@ -42,6 +42,11 @@ def main():
   from tasks import registry as task_registry
   from tff_algos.algorithms import registry
   # pylint: enable=g-import-not-at-top
+  unknown = [n for n in args.algorithms.split(',') if n not in registry.NAMES]
+  if unknown:
+    # Found only after the data had loaded: a KeyError traceback.
+    parser.error(f'argument --algorithms: {unknown[0]!r} is unknown; '
+                 f'allowed: {", ".join(registry.NAMES)}')
 
   task = task_registry.build_task('movielens_ratings', base.DataConfig(
       client_steps=args.client_steps, client_batch_size=16,
@@ -82,6 +87,6 @@ def main():
 
 if __name__ == '__main__':
   try:
-    main()
+    cli.run_main(main)
   finally:
     tff_runtime.shutdown_workers()

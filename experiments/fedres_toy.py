@@ -10,8 +10,8 @@ curves. The paper's claim: FedResSGD and FedResAvg-II go to 0 for every K;
 FedResNaive and FedResAvg-I stall at a positive loss that grows with K.
 """
 
-import argparse
 
+from experiments import cli
 from pipeline import tff_runtime
 
 ALGORITHMS = {  # column -> (algorithm, fedres_option)
@@ -43,15 +43,16 @@ def toy_losses(k: int, rounds: int, seed: int = 0, eval_every: int = 0):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--rounds', type=int, default=300)
-  parser.add_argument('--ks', default='1,5,10,20,50')
+  parser = cli.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--rounds', type=cli.positive_int, default=300)
+  parser.add_argument('--ks', default='1,5,10,20,50',
+                      type=cli.comma_list(cli.positive_int))
   parser.add_argument('--seed', type=int, default=0)
   args = parser.parse_args()
   tff_runtime.configure_execution()
   from experiments import fedres_common  # pylint: disable=g-import-not-at-top
   fedres_common.disable_graph_optimizer()
-  ks = [int(k) for k in args.ks.split(',')]
+  ks = args.ks
   print(f'fedres_toy: average loss after {args.rounds} rounds '
         f'(eta = lambda = {LEARNING_RATE}, alpha = 1, seed {args.seed})')
   print(f'{"K":>4} ' + ' '.join(f'{name:>13}' for name in ALGORITHMS))
@@ -75,6 +76,6 @@ def main():
 
 if __name__ == '__main__':
   try:
-    main()
+    cli.run_main(main)
   finally:
     tff_runtime.shutdown_workers()

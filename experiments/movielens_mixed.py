@@ -26,11 +26,12 @@ reported at round --total_rounds (recall@10 of the last evaluation up to it,
 costs averaged over rounds 1..total_rounds).
 """
 
-import argparse
 import csv
 import os
 import subprocess
 import sys
+
+from experiments import cli
 
 # (experiment name, algorithm)
 RUNS = (
@@ -55,7 +56,7 @@ def train(name, algorithm, args, extra_flags):
       f'--rounds_per_checkpoint={args.total_rounds}', f'--seed={args.seed}',
   ] + extra_flags
   print('$ python', ' '.join(command[1:]), flush=True)
-  subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+  cli.run_binary(command, cwd=REPO, stdout=subprocess.DEVNULL)
 
 
 def read_rows(run_dir, total_rounds):
@@ -81,7 +82,7 @@ def summary(run_dir, total_rounds):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--movielens_dir', default=None)
   parser.add_argument('--use_synthetic_data', action='store_true')
   parser.add_argument('--root_output_dir', required=True)
@@ -128,4 +129,4 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  cli.run_main(main)

@@ -28,11 +28,13 @@ Runs that already have a checkpoint resume (same flags, more rounds). Run it
 from the repository root (`python -m`), so this checkout's code is used.
 """
 
-import argparse
 import csv
 import os
 import subprocess
 import sys
+
+from experiments import cli
+from pipeline.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGORITHMS = ('fedavg', 'scaffold')
@@ -59,11 +61,15 @@ def train(algorithm, steps, learning_rate, args):
       f'--root_output_dir={args.root_output_dir}',
   ]
   print('$ python', ' '.join(command[1:]), flush=True)
-  subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+  cli.run_binary(command, cwd=REPO, stdout=subprocess.DEVNULL)
 
 
 def read_curve(run_dir: str, metric: str) -> list[float]:
-  with open(os.path.join(run_dir, 'metrics.csv'), newline='') as f:
+  path = os.path.join(run_dir, 'metrics.csv')
+  if not os.path.isfile(path):
+    raise UsageError(f'{path} is missing: train the run first (leave out '
+                     '--summarize_only)')
+  with open(path, newline='') as f:
     return [float(row[metric]) for row in csv.DictReader(f) if row.get(metric)]
 
 
@@ -147,12 +153,14 @@ def check_claims(rows, args) -> bool:
 
 
 def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--root_output_dir', required=True)
   parser.add_argument('--total_rounds', type=int, default=50)
-  parser.add_argument('--client_steps', default='5,25,50',
+  parser.add_argument('--client_steps', default=[5, 25, 50],
+                      type=cli.comma_list(int),
                       help='Comma-separated K sweep.')
-  parser.add_argument('--learning_rates', default='0.3,1',
+  parser.add_argument('--learning_rates', default=[0.3, 1.0],
+                      type=cli.comma_list(float),
                       help='Comma-separated grid of client learning rates.')
   parser.add_argument('--model', default='logistic')
   parser.add_argument('--similarity', type=float, default=0.0)
@@ -171,8 +179,6 @@ def main() -> int:
                       help='Print the table of existing runs; train nothing.')
   args = parser.parse_args()
   args.root_output_dir = os.path.abspath(args.root_output_dir)
-  args.client_steps = [int(k) for k in args.client_steps.split(',')]
-  args.learning_rates = [float(v) for v in args.learning_rates.split(',')]
   if not args.summarize_only:
     for steps in args.client_steps:
       for learning_rate in args.learning_rates:
@@ -184,4 +190,4 @@ def main() -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  cli.run_main(main)

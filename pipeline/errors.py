@@ -6,6 +6,14 @@ write-permission errors as environment faults).
 """
 
 
+import errno
+
+# The OS's errors of an environment fault: a full disk or quota, a
+# read-only or not permitted output.
+ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                      errno.EPERM)
+
+
 class UsageError(Exception):
   """Bad user input: unknown names, impossible values, missing/corrupt files.
 
@@ -40,3 +48,19 @@ def load_failure(error: Exception) -> str:
   if isinstance(error, StopIteration):
     return 'it holds no clients of the task\'s splits (another dataset\'s file?)'
   return type(error).__name__
+
+
+def load_error(dataset: str, path: str, error: Exception) -> Exception:
+  """What to raise for a dataset loader's failure on `path`: an
+  EnvironmentFault if it could not download (--download without a network:
+  re-running once it is back goes on), else a UsageError (the file)."""
+  import urllib.error  # pylint: disable=g-import-not-at-top
+  link = error
+  while link is not None:
+    if isinstance(link, urllib.error.URLError):
+      return EnvironmentFault(
+          f'cannot download {dataset} into {path}: {link.reason}; check the '
+          'network (or put the file there yourself) and re-run the same '
+          'command')
+    link = link.__cause__ or link.__context__
+  return UsageError(f'cannot read {dataset} from {path}: {load_failure(error)}')

@@ -31,6 +31,7 @@ import shutil
 from typing import Any, Optional
 
 from pipeline import run_logs
+from pipeline.errors import ENVIRONMENT_ERRNOS
 from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 
@@ -119,6 +120,12 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
     raise UsageError(f'--root_output_dir={root_output_dir} cannot be made: '
                      f'{existing} is a file, not a directory')
   path = os.path.join(root_output_dir, name)
+  if os.path.islink(path) and not os.path.exists(path):
+    # Making it failed with EEXIST: status 3, "use another
+    # --root_output_dir".
+    raise UsageError(f'{path} is a symbolic link to {os.readlink(path)}, '
+                     'which does not exist (or is a loop of links); make its '
+                     'target a directory, or use another --experiment_name')
   if os.path.exists(path) and not os.path.isdir(path):
     # Making the run directory failed with a traceback.
     raise UsageError(f'{path} is a file, not a run directory; use another '
@@ -142,8 +149,7 @@ class RunLock:
     try:
       os.makedirs(self._run_dir, exist_ok=True)
     except OSError as e:
-      if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                     errno.EPERM):
+      if e.errno in ENVIRONMENT_ERRNOS:
         raise  # The binaries name these faults with the path.
       # E.g. a place the kernel will not make directories in (/proc).
       raise EnvironmentFault(

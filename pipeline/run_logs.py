@@ -98,13 +98,22 @@ def comparable_rows(path: str) -> list[dict[str, str]]:
   return rows
 
 
-def _replace_file(path: str, text: str) -> None:
+def replace_file(path: str, text: str) -> None:
+  """Writes `text` to `path` whole or not at all: a failed write (a full
+  disk, a kill) leaves the file as it was, and no staging file."""
   staging = path + '.staging'
-  with open(staging, 'w', encoding='utf-8', newline='') as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(staging, path)
+  try:
+    with open(staging, 'w', encoding='utf-8', newline='') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(staging, path)
+  except BaseException as e:
+    if os.path.lexists(staging):
+      os.remove(staging)
+    if isinstance(e, OSError) and e.filename in (None, staging):
+      e.filename = path  # The error line names the file the user knows.
+    raise
 
 
 def _round_ranges(rounds: list[int]) -> str:
@@ -173,7 +182,7 @@ def trim_metrics(path: str, last_round: int) -> None:
   dropped = [r for r in metrics.rounds if r > last_round]
   if not dropped and not metrics.partial_tail:
     return
-  _replace_file(path, metrics.header + ''.join(keep))
+  replace_file(path, metrics.header + ''.join(keep))
   removed = []
   if metrics.partial_tail:
     removed.append('a partial last row (a write that was cut off)')

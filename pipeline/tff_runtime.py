@@ -216,21 +216,24 @@ _local_workers: 'weakref.WeakSet[_LocalWorker]' = weakref.WeakSet()
 # fork() instead of vfork(), which runs gRPC's fork handlers in a process
 # full of gRPC threads (and logs about it).
 _DIE_WITH_PARENT_LAUNCHER = (
-    'import ctypes, os, signal, sys\n'
+    'import ctypes, os, sys\n'
     'PR_SET_PDEATHSIG = 1  # <linux/prctl.h>\n'
-    'if ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0):\n'
+    'if ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(sys.argv[1]), 0, 0, '
+    '0):\n'
     '  sys.exit("cannot set the parent-death signal")\n'
-    'if os.getppid() != int(sys.argv[1]):\n'
+    'if os.getppid() != int(sys.argv[2]):\n'
     '  sys.exit(1)  # The parent died before the prctl.\n'
-    'os.execv(sys.argv[2], sys.argv[2:])\n')
+    'os.execv(sys.argv[3], sys.argv[3:])\n')
 
 
-def _die_with_parent(args: list[str]) -> list[str]:
-  """`args` run so that the kernel kills them when this process dies."""
+def die_with_parent(args: list[str],
+                    signum: int = signal.SIGKILL) -> list[str]:
+  """`args` run so that the kernel sends them `signum` when this process
+  dies."""
   if not sys.platform.startswith('linux'):
     return args
   return [sys.executable, '-S', '-E', '-c', _DIE_WITH_PARENT_LAUNCHER,
-          str(os.getpid()), *args]
+          str(int(signum)), str(os.getpid()), *args]
 
 
 def _spawn_worker(args: list[str]) -> subprocess.Popen:
@@ -241,7 +244,7 @@ def _spawn_worker(args: list[str]) -> subprocess.Popen:
           max_workers=1, thread_name_prefix='tff-worker-spawner')
   # stdout/stderr are inherited as TFF does, so a worker's fatal errors
   # are seen; the others reach the driver as the status of its call.
-  return _spawner.submit(subprocess.Popen, _die_with_parent(args),
+  return _spawner.submit(subprocess.Popen, die_with_parent(args),
                          stdin=subprocess.DEVNULL,
                          env=tf_logs.worker_environment()).result()
 

@@ -23,12 +23,15 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
-from pipeline.errors import load_failure
+from pipeline.errors import load_error
 from pipeline.errors import not_a_directory
 from tasks import base
+from tasks import client_database
 
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('celeba_mode',)
+# The data-location flags it reads (registry.data_locations).
+DATA_LOCATIONS = ('cache_dir', 'download')
 
 IMAGE_SHAPE = (84, 84, 3)
 LABEL = 'smiling'
@@ -111,11 +114,13 @@ def _load_client_data(config: base.DataConfig):
                        'CelebA); pass --download to fetch it, or '
                        '--use_synthetic_data')
   try:
-    return tff.simulation.datasets.celeba.load_data(
+    train, test = tff.simulation.datasets.celeba.load_data(
         split_by_clients=True, cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
-    raise UsageError(f'cannot read CelebA from {database}: '
-                     f'{load_failure(e)}') from e
+    raise load_error('CelebA', database, e) from e
+  client_database.require_readable_client_ids(database, (train, test),
+                                              COMPOSITE_SEPARATOR)
+  return train, test
 
 
 def _to_model_input(image: tf.Tensor) -> tf.Tensor:

@@ -34,6 +34,8 @@ from tasks import dirichlet
 
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('num_clients', 'dirichlet_alpha', 'model', 'model_width')
+# The data-location flags it reads (registry.data_locations).
+DATA_LOCATIONS = ('cache_dir', 'data_dir', 'download')
 
 IMAGE_SHAPE = cifar_models.IMAGE_SHAPE
 CROP_PADDING = 4

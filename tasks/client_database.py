@@ -25,6 +25,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import tensorflow_federated as tff
 
+from pipeline.errors import UsageError
+
 SPLIT_NAME = 'train'
 _FINGERPRINT_TABLE = 'partition_fingerprint'
 # Rows per INSERT batch while streaming the pooled examples.
@@ -65,6 +67,22 @@ def insert_client_examples(connection: sqlite3.Connection, split_name: str,
                           for example in serialized_examples])
   connection.execute('INSERT INTO client_metadata VALUES (?, ?, ?)',
                      (client_id, split_name, len(serialized_examples)))
+
+
+def require_readable_client_ids(database: str, client_data: Iterable,
+                                separator: str = '') -> None:
+  """UsageError for a client id of `database` that its clients could not
+  read their data by: TFF's SqlClientData pastes the id into its SQL query
+  unquoted (an id with a ' was a worker's SQL syntax error traceback), and a
+  composite client (`separator`) splits its id into raw ones."""
+  for data in client_data:
+    for client_id in data.client_ids:
+      bad = [c for c in ("'", separator) if c and c in client_id]
+      if bad:
+        raise UsageError(
+            f'{database} has client id {client_id!r}, which holds {bad[0]!r}: '
+            'TFF\'s reader cannot look it up; rename that client in the '
+            'file\'s examples and client_metadata tables')
 
 
 def _stored_fingerprint(path: str) -> Optional[str]:

@@ -25,6 +25,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from pipeline.errors import load_error
 from tasks import base
 from tasks import client_database
 from tasks import partition
@@ -32,6 +33,8 @@ from tasks import partition
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('num_clients', 'similarity', 'model', 'emnist_only_digits',
            'model_width')
+# The data-location flags it reads (registry.data_locations).
+DATA_LOCATIONS = ('cache_dir', 'download')
 
 IMAGE_SHAPE = (28, 28)
 NUM_PIXELS = 28 * 28
@@ -85,9 +88,10 @@ class _SqliteSource:
   the seed. Streams rows; only the labels are held in memory.
   """
 
-  def __init__(self, database: str, split: str):
+  def __init__(self, database: str, split: str, num_classes: int):
     self._database = database
     self._split = split
+    self._num_classes = num_classes
 
   def _rows(self) -> Iterator[bytes]:
     connection = sqlite3.connect(f'file:{self._database}?mode=ro', uri=True)
@@ -108,7 +112,16 @@ class _SqliteSource:
         chunks.append(_labels_of(chunk))
         chunk = []
     chunks.append(_labels_of(chunk))
-    return np.concatenate(chunks)
+    labels = np.concatenate(chunks)
+    outside = labels[(labels < 0) | (labels >= self._num_classes)]
+    if outside.size:
+      # Found here, not as a worker's traceback when (if) a client's batch
+      # holds one; a negative label trained silently.
+      raise UsageError(
+          f'{self._database} holds {self._split} label {outside[0]}, '
+          f'outside the {self._num_classes} classes (0..'
+          f'{self._num_classes - 1}): it is damaged or not TFF\'s EMNIST')
+    return labels
 
   def serialized_examples(self) -> Iterator[bytes]:
     return self._rows()
@@ -173,8 +186,9 @@ def _load_real(config: base.DataConfig, only_digits: bool):
     _, test = tff.simulation.datasets.emnist.load_data(
         only_digits=only_digits, cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
-    raise UsageError(f'cannot read EMNIST from {database}: {e}') from e
-  return _SqliteSource(database, TRAIN_SPLIT[only_digits]), test, cache_dir
+    raise load_error('EMNIST', database, e) from e
+  return (_SqliteSource(database, TRAIN_SPLIT[only_digits],
+                        NUM_CLASSES[only_digits]), test, cache_dir)
 
 
 def build_keras_model(model: str = 'logistic', num_classes: int = 62,

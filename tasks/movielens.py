@@ -318,6 +318,15 @@ def build_task(config: base.DataConfig) -> base.Task:
   if not train.client_ids or not test.client_ids:
     raise UsageError('movielens: too few users to split into train and test '
                      f'clients ({len(np.unique(ratings["user"]))} users)')
+  user_ids, counts = np.unique(ratings['user'], return_counts=True)
+  for name in ('train', 'test'):
+    # A user's first movie has no history: one rating gives no example.
+    # Without any, the run trained on nothing (an update of 0/0) and logged
+    # no evaluation, with status 0.
+    if not np.any(counts[np.isin(user_ids, users[name])] >= 2):
+      raise UsageError(f'movielens: no {name} user has two or more ratings, '
+                       f'so the data give no {name} example (an example is a '
+                       'movie after the user\'s earlier ones)')
 
   def client_dataset(client_id, seed):
     return base.client_batches(

@@ -44,6 +44,13 @@ def options(name: str) -> tuple[str, ...]:
   return sys.modules[_builder(name).__module__].OPTIONS
 
 
+def data_locations(name: str) -> tuple[str, ...]:
+  """The data-location flags (--cache_dir, --data_dir, --download) task
+  `name` reads: the `DATA_LOCATIONS` of its builder's module, if any (the
+  others read no files, or take --movielens_dir as an option)."""
+  return getattr(sys.modules[_builder(name).__module__], 'DATA_LOCATIONS', ())
+
+
 def build_task(name: str, config: base.DataConfig) -> base.Task:
   builder = _builder(name)
   config.validate()

@@ -43,13 +43,16 @@ import tensorflow_datasets as tfds
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
-from pipeline.errors import load_failure
+from pipeline.errors import load_error
 from pipeline.errors import not_a_directory
 from tasks import base
+from tasks import client_database
 from tff_algos import tff_internals
 
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('char_embedding_dim', 'gru_units', 'max_eval_sequences')
+# The data-location flags it reads (registry.data_locations).
+DATA_LOCATIONS = ('cache_dir', 'data_dir', 'download')
 
 SEQUENCE_LENGTH = 100
 PAD = 0
@@ -200,9 +203,10 @@ def load_stackoverflow(config: base.DataConfig):
     train, _, test = tff.simulation.datasets.stackoverflow.load_data(
         cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
-    raise UsageError(f'cannot read StackOverflow from '
-                     f'{os.path.join(cache_dir, SQLITE_NAME)}: '
-                     f'{load_failure(e)}') from e
+    raise load_error('StackOverflow', os.path.join(cache_dir, SQLITE_NAME),
+                     e) from e
+  client_database.require_readable_client_ids(
+      os.path.join(cache_dir, SQLITE_NAME), (train, test))
   return train, test
 
 

@@ -36,6 +36,8 @@ from tff_algos import tff_internals
 
 # Keys of `DataConfig.options` this task reads (registry.options).
 OPTIONS = ('word_vocab_size', 'max_eval_sequences', 'model_width')
+# The data-location flags it reads (registry.data_locations).
+DATA_LOCATIONS = ('cache_dir', 'download')
 
 _BASELINE = tff.simulation.baselines.stackoverflow
 SEQUENCE_LENGTH = _BASELINE.DEFAULT_SEQUENCE_LENGTH

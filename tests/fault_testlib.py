@@ -77,6 +77,9 @@ def tree_digest(path):
     for name in sorted(files):
       full = os.path.join(root, name)
       digest.update(full.encode())
+      if os.path.islink(full):  # Its target may not exist.
+        digest.update(os.readlink(full).encode())
+        continue
       with open(full, 'rb') as f:
         digest.update(f.read())
   return digest.hexdigest()

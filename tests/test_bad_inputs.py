@@ -274,6 +274,15 @@ CASES = [
                     f'--root_output_dir={p.root}'],
          lambda p: f'{p.root}/file is a file, not a run directory; use another '
          '--experiment_name', setup=write('file', 'not a directory')),
+    # Status 3: "cannot be made (File exists); use another
+    # --root_output_dir".
+    Case('run_directory_a_dangling_link', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=link',
+                    f'--root_output_dir={p.root}'],
+         lambda p: f'{p.root}/link is a symbolic link to {p.root}/gone, which '
+         'does not exist (or is a loop of links); make its target a '
+         'directory, or use another --experiment_name',
+         setup=lambda p: os.symlink(f'{p.root}/gone', f'{p.root}/link')),
     Case('client_steps_beyond_int64', 'train',
          train_new(f'--client_steps={2**63}'),
          lambda p: f'flag --client_steps={2**63}: must fit in a 64-bit '
@@ -396,6 +405,23 @@ CASES = [
                     '--root_output_dir='],
          lambda p: '--root_output_dir is empty; name the directory that holds '
          'the runs'),
+    # digits reads scikit-learn's bundled images: it was ignored.
+    Case('cache_dir_of_a_task_without_files', 'train',
+         train_new(lambda p: f'--cache_dir={p.root}'),
+         lambda p: '--cache_dir does not apply to --task=digits (its flags: '
+         '--model, --num_clients, --similarity, --dirichlet_alpha, '
+         '--l2_regularization)'),
+    # An empty path (e.g. --cache_dir=$UNSET) silently meant the default:
+    # ~/.tff, or the run's latest checkpoint instead of an export.
+    Case('cache_dir_empty', 'train',
+         lambda p: ['--task=celeba_smile', '--algorithm=fedavg',
+                    '--experiment_name=new', f'--root_output_dir={p.root}',
+                    '--cache_dir='],
+         lambda p: 'flag --cache_dir=: is empty; name a directory, or leave '
+         'the flag out for its default'),
+    Case('export_dir_empty', 'evaluate', of_base('--export_dir='),
+         lambda p: 'flag --export_dir=: is empty; name a directory, or leave '
+         'the flag out for its default'),
     Case('experiment_name_dot', 'evaluate',
          lambda p: ['--experiment_name=.', f'--root_output_dir={p.base}'],
          lambda p: "--experiment_name='.' must be a non-empty name without "

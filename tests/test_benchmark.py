@@ -41,11 +41,21 @@ def test_quick_run_prints_the_ratios_line(rounds):
   assert records[0]['seconds_per_round'] > 0 and records[0]['peak_rss_mb'] > 0
 
 
-def test_negative_thread_count_is_one_clear_error(rounds):
-  result = rounds('--bound_threads=-1')
-  assert result.returncode == 2
-  assert 'error: --bound_threads must be >= 0, got -1' in (
-      result.stdout + result.stderr)
+@pytest.mark.parametrize('flag, message', [
+    ('--bound_threads=-1', '--bound_threads must be >= 0, got -1'),
+    # A ValueError traceback.
+    ('--sweep_clients=10,x', '--sweep_clients=10,x must be integers'),
+    # K=0 timed empty rounds; K<0 never ended.
+    ('--client_steps=0', '--client_steps must be >= 1, got 0'),
+    ('--client_steps=-3', '--client_steps must be >= 1, got -3'),
+    # Each was a RuntimeError traceback around the measuring child's error.
+    ('--client_batch_size=0', '--client_batch_size must be >= 1, got 0'),
+    ('--num_workers=0', '--num_workers must be >= 1, got 0'),
+    ('--clients_per_group=-1', '--clients_per_group must be >= 0, got -1'),
+])
+def test_impossible_values_are_one_clear_error(rounds, flag, message):
+  result = rounds('--quick', flag)
+  assert (result.returncode, result.stderr) == (2, f'error: {message}\n')
 
 
 def test_unknown_mode_is_one_clear_error(rounds):

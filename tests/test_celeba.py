@@ -124,6 +124,69 @@ def test_another_datasets_file_is_a_usage_error_that_says_so(tmp_path):
       "of the task's splits (another dataset's file?)")
 
 
+def _with_train_client(path, client_id):
+  import sqlite3  # pylint: disable=g-import-not-at-top
+  from tasks import client_database  # pylint: disable=g-import-not-at-top
+  from tests import celeba_fixture  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  with sqlite3.connect(path) as connection:
+    client_database.insert_client_examples(
+        connection, 'split_by_clients_train', client_id,
+        [celeba_fixture._example(rng, smiling) for smiling in (0, 1)])  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('client_id, character', [
+    # TFF's reader pastes the id into its SQL query: a worker's syntax error
+    # traceback.
+    ("x'y", "'"),
+    # A composite client's id is its raw ids joined by '|'.
+    ('a|b', '|'),
+])
+def test_client_ids_tff_cannot_look_up_are_usage_errors(tmp_path, client_id,
+                                                        character):
+  path = tmp_path / 'celeba.sqlite'
+  write_celeba_sqlite(path)
+  _with_train_client(path, client_id)
+  with pytest.raises(UsageError) as raised:
+    celeba.build_task(_config(str(tmp_path), 'federated'))
+  assert str(raised.value) == (
+      f'{path} has client id {client_id!r}, which holds {character!r}: TFF\'s '
+      'reader cannot look it up; rename that client in the file\'s examples '
+      'and client_metadata tables')
+
+
+def test_a_group_passes_non_ascii_client_ids_to_tff():
+  # TFF encoded str ids as ASCII: a client 'ü' was a UnicodeEncodeError.
+  from tff_algos.runtime import cohort  # pylint: disable=g-import-not-at-top
+  group, = cohort.groups(np.array(['ü', 'a'], object), np.zeros(2, np.int64),
+                         None, 2)
+  lengths = tff.tensorflow.computation(
+      lambda ids: tf.strings.length(ids, unit='UTF8_CHAR'),
+      tff.TensorType(np.str_, [None]))
+  assert list(lengths(group['ids'])) == [1, 1]
+
+
+def test_a_download_without_a_network_is_an_environment_fault(tmp_path,
+                                                             monkeypatch):
+  # It was a usage error (status 2), though the same command works once the
+  # network is back.
+  import socket  # pylint: disable=g-import-not-at-top
+  import urllib.error  # pylint: disable=g-import-not-at-top
+  from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
+
+  def offline(**kwargs):
+    del kwargs
+    raise urllib.error.URLError(socket.gaierror(-2, 'Name or service not known'))
+
+  monkeypatch.setattr(tff.simulation.datasets.celeba, 'load_data', offline)
+  with pytest.raises(EnvironmentFault) as raised:
+    celeba.build_task(_config(str(tmp_path), 'mixed', download=True))
+  assert str(raised.value) == (
+      f'cannot download CelebA into {tmp_path}/celeba.sqlite: [Errno -2] Name '
+      'or service not known; check the network (or put the file there '
+      'yourself) and re-run the same command')
+
+
 def test_unknown_mode_is_a_usage_error(cache_dir):
   with pytest.raises(UsageError, match='celeba_mode'):
     celeba.build_task(_config(cache_dir[0], 'sideways'))

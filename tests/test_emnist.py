@@ -30,7 +30,8 @@ def _example(label: int, pixels: np.ndarray) -> bytes:
   })).SerializeToString()
 
 
-def _write_emnist_sqlite(directory: str):
+def _write_emnist_sqlite(directory: str, parts=('train', 'test'),
+                         label_of=lambda number, label: label):
   """emnist_all.sqlite with TFF's tables, split names and record format.
 
   Returns {split: {writer: [(label, pixels), ...]}}. Pixels encode a unique
@@ -44,6 +45,8 @@ def _write_emnist_sqlite(directory: str):
   for split, num_classes in (('all', 62), ('digits_only', 10)):
     for part, sizes in (('train', TRAIN_PER_WRITER),
                         ('test', (TEST_PER_WRITER,) * len(WRITERS))):
+      if part not in parts:
+        continue
       split_name = f'{split}_{part}'
       for writer, size in zip(WRITERS, sizes):
         examples = []
@@ -51,7 +54,8 @@ def _write_emnist_sqlite(directory: str):
           pixels = rng.uniform(size=(28, 28)).astype(np.float32)
           pixels[0, 0] = counter
           counter += 1
-          examples.append((int(rng.integers(0, num_classes)), pixels))
+          examples.append((label_of(counter - 1,
+                                    int(rng.integers(0, num_classes))), pixels))
         client_database.insert_client_examples(
             connection, split_name, writer,
             [_example(label, pixels) for label, pixels in examples])
@@ -187,3 +191,25 @@ def test_usage_errors(tmp_path, emnist_cache):
     emnist.build_task(_config(cache_dir, similarity=101.0))
   with pytest.raises(UsageError, match='--num_clients'):
     emnist.build_task(_config(cache_dir, num_clients=1000))
+
+
+@pytest.mark.parametrize('parts, label_of, message', [
+    # The message ended in ': ' (TFF's loader raised a bare StopIteration).
+    (('test',), lambda number, label: label,
+     "cannot read EMNIST from {db}: it holds no clients of the task's "
+     'splits (another dataset\'s file?)'),
+    # A worker's traceback when a batch held it; -1 trained silently.
+    (('train', 'test'), lambda number, label: 99 if number == 3 else label,
+     '{db} holds all_train label 99, outside the 62 classes (0..61): it is '
+     "damaged or not TFF's EMNIST"),
+    (('train', 'test'), lambda number, label: -1 if number == 3 else label,
+     '{db} holds all_train label -1, outside the 62 classes (0..61): it is '
+     "damaged or not TFF's EMNIST"),
+])
+def test_damaged_databases_are_usage_errors(tmp_path, parts, label_of,
+                                            message):
+  _write_emnist_sqlite(str(tmp_path), parts, label_of)
+  db = tmp_path / 'emnist_all.sqlite'
+  with pytest.raises(UsageError) as raised:
+    emnist.build_task(_config(str(tmp_path)))
+  assert str(raised.value) == message.format(db=db)

@@ -464,3 +464,28 @@ def test_environment_faults_are_recognized(error, expected):
   assert app.environment_fault_message(ValueError('x')) is None
   assert app.environment_fault_message(
       OSError(errno.ENOENT, 'No such file')) is None
+
+
+@pytest.mark.parametrize('error', [
+    # TFF's runtime: the worker's failed client update, as gRPC passes it on
+    # (a label of 99 in a file of 62-class EMNIST was a traceback).
+    _GrpcError('<_InactiveRpcError of RPC that terminated with:\n\tstatus = '
+               'StatusCode.INTERNAL\n\tdetails = "Failed to run computation: '
+               'Received a label value of 99 which is outside the valid range '
+               'of [0, 62).  Label values: 99 55 60\n\t [[{{function_node '
+               'x}}]]"\n>'),
+    # The native runtime, or evaluation in this process.
+    tf.errors.InvalidArgumentError(
+        None, None, 'Graph execution error:\n\nDetected at node x\nReceived '
+        'a label value of 99 which is outside the valid range of [0, 62).  '
+        'Label values: 99\n\t [[{{node x}}]] [Op:__inference_f_1]'),
+])
+def test_labels_beyond_the_models_classes_are_bad_data(error):
+  try:
+    raise RuntimeError('wrapped') from error
+  except RuntimeError as wrapped:
+    assert app.bad_data_message(wrapped) == (
+        "the task's data files hold a label the model has no class for "
+        '(Received a label value of 99 which is outside the valid range of '
+        '[0, 62)): they are damaged or not the files of this task '
+        '(--cache_dir, --data_dir)')

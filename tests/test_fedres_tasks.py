@@ -109,6 +109,34 @@ def test_movielens_serving_input_is_movie_ids(movielens_task):
                                 [GENRE_FLAGS[2], GENRE_FLAGS[4]])
 
 
+def test_movielens_serving_refuses_movie_ids_beyond_the_table(
+    movielens_task, tmp_path):
+  # pylint: disable=g-import-not-at-top
+  from pipeline import driver
+  from tff_algos.algorithms import registry
+  from tff_algos.algorithms.fedres import definition as fedres
+  from tff_algos.algorithms.fedres import export as fedres_export
+  # pylint: enable=g-import-not-at-top
+  algorithm = registry.build('fedres_avg', movielens_task,
+                             fedres.FedResAvgSettings())
+  driver.train(algorithm, movielens_task, driver.RunConfig(
+      root_output_dir=str(tmp_path), experiment_name='run', total_rounds=1,
+      clients_per_round=2, runtime='native'))
+  server = fedres_export.PersonalizedServer(str(tmp_path / 'run' / 'export'))
+  assert server('1', np.array([1, 4], np.int32))['rating'].shape == (2,)
+  # Each was TF's InvalidArgumentError traceback.
+  for ids in ([1, 5], [-1]):
+    with pytest.raises(fedres_export.InputError,
+                       match=r'^the model cannot take these inputs \(indices'
+                       rf'\[\d\] = {ids[-1]} is not in \[0, 5\)\)$'):
+      server('1', np.array(ids, np.int32))
+  # 2**32 was served as movie 0 (tf.constant wrapped it to int32).
+  with pytest.raises(fedres_export.InputError,
+                     match=r'^inputs hold 1 value\(s\) beyond int32 \(e.g. '
+                     r'4294967296\)$'):
+    server('1', np.array([1, 2**32], np.int64))
+
+
 def test_movielens_bad_directories_are_usage_errors(tmp_path):
   def build(directory):
     return movielens_ratings.build_task(

@@ -136,6 +136,18 @@ def test_plot_refuses_an_output_it_cannot_write(tmp_path, output):
   assert line.endswith(expected)
 
 
+def test_plot_output_where_nothing_can_be_written_is_an_environment_fault(
+    tmp_path):
+  # The kernel makes no files in /proc (ENOENT): a FileNotFoundError
+  # traceback.
+  _write_run(tmp_path / 'a', [0.5])
+  result = _run('binaries.plot', str(tmp_path / 'a'), '--metric=eval/auc',
+                '--output=/proc/x.png')
+  assert (result.returncode, result.stderr) == (
+      3, 'error: --output=/proc/x.png cannot be written (No such file or '
+      'directory); use another --output\n')
+
+
 def test_train_explains_that_pt_needs_k(train_binary, tmp_path):
   result = train_binary('--task=celeba_smile', '--algorithm=mixed_pt',
                         '--use_synthetic_data', '--client_epochs=1',

@@ -101,6 +101,18 @@ def test_bad_directories_and_files_are_usage_errors(tmp_path):
     build(str(tmp_path / 'huge'))
 
 
+def test_users_of_one_rating_each_are_a_usage_error(tmp_path):
+  # No example to train on or evaluate: the run trained on nothing (an
+  # update of 0/0) and logged no evaluation, with status 0.
+  rows = [(user, user % 15 + 1, 4, 1000 + user) for user in range(1, 40)]
+  with pytest.raises(UsageError) as raised:
+    movielens.build_task(base.DataConfig(
+        options={'movielens_dir': write_u_data(tmp_path, rows)}))
+  assert str(raised.value) == (
+      'movielens: no train user has two or more ratings, so the data give no '
+      "train example (an example is a movie after the user's earlier ones)")
+
+
 # --- Examples and splits -----------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """Run-directory guarantees, in-process: resume checks, trimming, the lock,
 names, export targets, private temp directories."""
 
+import errno
 import json
 import os
 import subprocess
@@ -545,3 +546,17 @@ def test_temp_dirs_of_ended_processes_are_removed(tmp_path):
   finally:
     alive.terminate()
     alive.wait()
+
+
+def test_a_replaced_file_is_whole_or_as_it_was(tmp_path):
+  # evaluate wrote its report in place: a full disk emptied an earlier one.
+  place = tmp_path / 'disk'
+  with lib.small_filesystem(place, 64):
+    path = place / 'evaluation_round_3.json'
+    path.write_text('{"earlier": 1}')
+    with pytest.raises(OSError) as raised:
+      run_logs.replace_file(str(path), 'x' * 200_000)
+    assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC,
+                                                           str(path))
+    assert path.read_text() == '{"earlier": 1}'
+    assert os.listdir(place) == ['evaluation_round_3.json']

@@ -33,6 +33,7 @@ import tempfile
 
 import numpy as np
 
+from binaries import app
 from pipeline import tf_logs
 
 # Before TensorFlow is imported (in this process, for the project's side).
@@ -171,7 +172,7 @@ def expected_verdicts(variant: str, quantities) -> dict:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser = app.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--peers_venv', default=os.path.join(REPO, '.peers-venv'))
   parser.add_argument('--population', type=int, default=4)
   parser.add_argument('--rounds', type=int, default=2)

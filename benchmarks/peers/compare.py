@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 
+from binaries import app
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 PFL_RESULT_PREFIX = 'PFL_RESULT '
@@ -244,7 +246,7 @@ def run_pfl(args, algorithm: str, store: str, processes: int, threads: int,
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(
+  parser = app.ArgumentParser(
       description=__doc__.split('\n\n')[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--pairs', type=int, default=5,

@@ -260,7 +260,10 @@ def groups(client_ids: Sequence[str], seeds: np.ndarray,
   result = []
   for start in range(0, len(client_ids), size):
     group = collections.OrderedDict(
-        ids=np.asarray([str(c) for c in client_ids[start:start + size]]),
+        # UTF-8 bytes: TFF encodes str values as ASCII, so a client id such
+        # as 'ü' (a key of the task's sqlite file) was a UnicodeEncodeError.
+        ids=np.asarray([str(c).encode('utf-8')
+                        for c in client_ids[start:start + size]], object),
         seeds=np.asarray(seeds[start:start + size], np.int64))
     if versions is not None:
       group['versions'] = np.asarray(versions[start:start + size], np.int64)

@@ -20,6 +20,7 @@ client without a row). `serve_personalized` puts the two together.
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -171,6 +172,22 @@ def local_weights_for(export_dir: str, client_id: str,
   return weights, found
 
 
+class InputError(UsageError):
+  """Serving inputs the model cannot take (callers name where they came
+  from)."""
+
+
+def _op_error_detail(error: tf.errors.OpError) -> str:
+  """The line of a graph execution error that says what was wrong (e.g.
+  `indices[1] = 999 is not in [0, 61)`), without TF's frame."""
+  for line in error.message.splitlines():
+    line = line.strip()
+    if line and not line.startswith(('Graph execution error', 'Detected at',
+                                     '<stack traces', '[[')):
+      return re.sub(r'\s*\[Op:\w+\]$', '', line)
+  return type(error).__name__
+
+
 class PersonalizedServer:
   """Serves personalized predictions from a FedRes export (loaded once)."""
 
@@ -198,14 +215,21 @@ class PersonalizedServer:
     spec = self._input_spec
     if not (spec.shape.is_compatible_with(inputs.shape) and np.can_cast(
         inputs.dtype, spec.dtype.as_numpy_dtype, casting='same_kind')):
-      raise UsageError(
+      raise InputError(
           f'inputs of shape {list(inputs.shape)} and dtype {inputs.dtype} do '
           f'not fit the export\'s `{self._input_name}` (shape '
           f'{spec.shape.as_list()}, dtype {spec.dtype.name})')
     if inputs.dtype.kind in 'fc' and not np.all(np.isfinite(inputs)):
-      raise UsageError(
+      raise InputError(
           f'inputs hold {int(np.sum(~np.isfinite(inputs)))} non-finite '
           'value(s) (NaN or inf); predictions need finite inputs')
+    if spec.dtype.is_integer and inputs.size:
+      # tf.constant wrapped them: 2**40 became id 0, served as if asked.
+      limits = np.iinfo(spec.dtype.as_numpy_dtype)
+      outside = inputs[(inputs < limits.min) | (inputs > limits.max)]
+      if outside.size:
+        raise InputError(f'inputs hold {outside.size} value(s) beyond '
+                         f'{spec.dtype.name} (e.g. {outside[0]})')
 
   def __call__(self, client_id: str, inputs) -> Mapping[str, np.ndarray]:
     """Predictions of `client_id`'s personalized model on serving `inputs`.
@@ -216,9 +240,14 @@ class PersonalizedServer:
     self.check_inputs(inputs)
     local_weights, _ = local_weights_for(self._export_dir, client_id,
                                          self._local_size)
-    outputs = self._signature(**{
-        self._input_name: tf.constant(inputs, self._input_spec.dtype),
-        'local_weights': tf.constant(local_weights)})
+    try:
+      outputs = self._signature(**{
+          self._input_name: tf.constant(inputs, self._input_spec.dtype),
+          'local_weights': tf.constant(local_weights)})
+    except tf.errors.InvalidArgumentError as e:
+      # E.g. a movie id beyond the embedding table: TF's traceback.
+      raise InputError(f'the model cannot take these inputs ('
+                       f'{_op_error_detail(e)})') from e
     return {name: value.numpy() for name, value in outputs.items()}
 
 

@@ -1,0 +1,99 @@
+"""The experiments' command line, held to the binaries' standard
+(binaries/app.py): bad input ends with one line `error: ...` and status 2,
+an environment fault with status 3, Ctrl-C with 130, never a traceback.
+
+The experiments parse their flags with argparse, whose own error is a usage
+block and a `prog: error: ...` line; the binaries they run print their own
+error line, which a CalledProcessError traceback used to follow.
+"""
+
+import argparse
+import math
+import signal
+import subprocess
+import sys
+from typing import Callable
+
+from binaries import app
+from pipeline import tff_runtime
+from pipeline.errors import UsageError
+
+
+ArgumentParser = app.ArgumentParser
+
+
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):
+    raise ValueError(text)
+  return value
+
+
+def comma_list(kind: type) -> Callable[[str], list]:
+  """An argparse `type` of comma-separated ints or (finite) floats (`kind`
+  int, float, or positive_int); a bad item was a ValueError traceback after
+  parsing."""
+  parse_item, noun = {int: (int, 'integers'),
+                      positive_int: (positive_int, 'integers >= 1'),
+                      float: (_finite_float, 'finite numbers')}[kind]
+
+  def parse(text: str) -> list:
+    try:
+      return [parse_item(item) for item in text.split(',')]
+    except (ValueError, argparse.ArgumentTypeError):
+      raise argparse.ArgumentTypeError(
+          f'{text!r} is not a comma-separated list of {noun}') from None
+
+  return parse
+
+
+def positive_int(text: str) -> int:
+  """An argparse `type`: an integer >= 1 (the in-process experiments passed
+  0 on, to be refused under the driver's flag name, e.g. --total_rounds for
+  --rounds)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{text!r} is not an integer >= 1')
+  return value
+
+
+def run_binary(command: list[str], **kwargs) -> None:
+  """Runs a binary of the project; when it fails, this process ends with
+  its status, below the binary's own `error: ...` line.
+
+  The binary gets SIGTERM when this process dies: killed with SIGTERM, an
+  experiment left its training running on, TFF worker and all. Ctrl-C
+  reaches both (one process group): the binary stops cleanly and says so
+  (subprocess.run SIGKILLed it, and a second line followed).
+  """
+  process = subprocess.Popen(
+      tff_runtime.die_with_parent(command, signal.SIGTERM), **kwargs)
+  try:
+    status = process.wait()
+  except KeyboardInterrupt:
+    status = process.wait()
+  if status:
+    sys.exit(status if status > 0 else 128 - status)  # -N: killed by N.
+
+
+def run_main(main: Callable[[], int]) -> None:
+  """sys.exit(main()), with the binaries' error lines and statuses."""
+  try:
+    status = main()
+  except UsageError as e:
+    print(f'error: {e}', file=sys.stderr)
+    status = app.EXIT_USAGE
+  except KeyboardInterrupt:
+    print('error: interrupted; re-run the same command to go on (the runs '
+          'trained so far are kept)', file=sys.stderr)
+    status = app.EXIT_INTERRUPTED
+  except Exception as e:  # pylint: disable=broad-except
+    message = app.environment_fault_message(e)
+    if message is None:
+      raise
+    print(f'error: {message}', file=sys.stderr)
+    status = app.EXIT_ENVIRONMENT
+  sys.exit(status)

@@ -1,0 +1,112 @@
+"""The experiments' (and the peer benchmark's) bad flags end with one
+`error: ...` line and status 2, as the binaries' do (experiments/cli.py);
+each command here fails before it trains or imports TensorFlow (a fraction
+of a second)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import fault_testlib as lib
+
+
+def run(module, *args):
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=lib.REPO,
+                        capture_output=True, text=True, timeout=120,
+                        env=lib.environment(), check=False)
+
+
+@pytest.mark.parametrize('module, args, message', [
+    # Each was a ValueError traceback.
+    ('experiments.scaffold_digits', ['--client_steps=5,x'],
+     "argument --client_steps: '5,x' is not a comma-separated list of "
+     'integers'),
+    ('experiments.fedpvr_digits', ['--alphas=abc'],
+     "argument --alphas: 'abc' is not a comma-separated list of finite "
+     'numbers'),
+    ('experiments.fedres_toy', ['--ks=abc'],
+     "argument --ks: 'abc' is not a comma-separated list of integers >= 1"),
+    # Refused by the driver as --total_rounds / --client_steps.
+    ('experiments.fedres_toy', ['--rounds=0'],
+     "argument --rounds: '0' is not an integer >= 1"),
+    ('experiments.fedres_toy', ['--ks=5,0'],
+     "argument --ks: '5,0' is not a comma-separated list of integers >= 1"),
+    ('experiments.fedres_logistic', ['--heterogeneities=nan'],
+     "argument --heterogeneities: 'nan' is not a comma-separated list of "
+     'finite numbers'),
+    # argparse's usage block and `prog: error:` line.
+    ('experiments.celeba_mixed', ['--bogus'],
+     'unrecognized arguments: --bogus'),
+    # It indexed the accuracy curves from their end.
+    ('experiments.fedpvr_digits', ['--at_round=-1'],
+     'argument --at_round: -1 is not a round of 1..30 (--total_rounds)'),
+    # Unknown runs were skipped: an empty table, or a KeyError with
+    # --check_margin.
+    ('experiments.celeba_mixed', ['--runs=foo'],
+     "argument --runs: 'foo' is not one of fl_only, oracle, mixed_pt, "
+     'mixed_1wgt, mixed_2wgt'),
+    ('experiments.celeba_mixed', ['--runs=mixed_pt', '--check_margin=0.1'],
+     'argument --check_margin: compares with fl_only, which --runs leaves '
+     'out'),
+    # argparse's usage block and `compare.py: error:` line.
+    ('benchmarks.peers.compare', ['--pairs=0'],
+     '--pairs, --rounds and --warmup_rounds must be >= 1'),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_bad_flags_are_one_error_line(tmp_path, module, args, message):
+  if module.startswith(('experiments.scaffold', 'experiments.fedpvr',
+                        'experiments.celeba')):
+    args = [f'--root_output_dir={tmp_path}/runs', *args]
+  result = run(module, *args)
+  assert (result.returncode, result.stderr) == (2, f'error: {message}\n')
+  assert not (tmp_path / 'runs').exists()
+
+
+def test_summarize_only_without_runs_is_one_error_line(tmp_path):
+  # A FileNotFoundError (scaffold_digits), an IndexError (fedpvr_digits).
+  result = run('experiments.scaffold_digits', f'--root_output_dir={tmp_path}',
+               '--summarize_only')
+  assert (result.returncode, result.stderr) == (
+      2, f'error: {tmp_path}/fedavg_K5_lr0.3/metrics.csv is missing: train '
+      'the run first (leave out --summarize_only)\n')
+  result = run('experiments.fedpvr_digits', f'--root_output_dir={tmp_path}',
+               '--summarize_only')
+  assert (result.returncode, result.stderr) == (
+      2, f'error: {tmp_path}/fedavg_a0.1_s0 has 0 rounds, fewer than the 30 '
+      'summarized (--at_round, --total_rounds); train it first (leave out '
+      '--summarize_only)\n')
+
+
+def test_a_failing_training_ends_the_experiment_with_its_status(tmp_path):
+  # train's own error line was followed by a CalledProcessError traceback.
+  result = run('experiments.scaffold_digits', f'--root_output_dir={tmp_path}',
+               '--client_steps=5', '--learning_rates=1',
+               '--client_batch_size=0')
+  assert (result.returncode, result.stderr) == (
+      2, 'error: --client_batch_size must be >= 1, got 0\n')
+
+
+def test_a_killed_experiment_takes_its_binary_along(tmp_path):
+  # SIGTERM to an experiment left its train process (and that one's TFF
+  # worker) running on.
+  experiment = subprocess.Popen(
+      [sys.executable, '-c',
+       'import sys\n'
+       'from experiments import cli\n'
+       'cli.run_binary([sys.executable, "-c", "import os, time; '
+       'print(os.getpid(), flush=True); time.sleep(60)"])\n'],
+      cwd=lib.REPO, env=lib.environment(), stdout=subprocess.PIPE, text=True)
+  child = int(experiment.stdout.readline())
+  experiment.terminate()
+  experiment.wait(timeout=30)
+  experiment.stdout.close()
+  deadline = time.monotonic() + 10
+  while os.path.exists(f'/proc/{child}') and time.monotonic() < deadline:
+    time.sleep(0.05)
+  gone = not os.path.exists(f'/proc/{child}')
+  if not gone:
+    os.kill(child, signal.SIGKILL)
+  assert gone
