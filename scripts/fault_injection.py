@@ -290,7 +290,10 @@ def main() -> int:
         survivors = []
         stops = []
         for _ in range(args.kills):
-          target = rng.randint(latest_checkpoint(run_dir) + 1, total_rounds)
+          # A kill after the last round's checkpoint (before the export)
+          # leaves no later round to aim at: aim at the last one again.
+          target = rng.randint(
+              min(latest_checkpoint(run_dir) + 1, total_rounds), total_rounds)
           survivors += kill_in_round(command, env, run_dir, target,
                                      kill_window, rng)
           stops.append(f'aimed at round {target}: {progress(run_dir)}')
