@@ -71,8 +71,11 @@ _DIGITS = ['--task=digits', '--num_clients=20', '--clients_per_round=5',
            '--total_rounds=10']
 CONFIGS.update({
     'fedpvr': _DIGITS + ['--algorithm=fedpvr'],
-    'fedres_naive': ['--algorithm=fedres_naive'] + CONFIGS['fedres_avg'][2:],
-    'fedres_sgd': ['--algorithm=fedres_sgd'] + CONFIGS['fedres_avg'][2:],
+    'fedres_naive': [f if f != '--algorithm=fedres_avg'
+                     else '--algorithm=fedres_naive'
+                     for f in CONFIGS['fedres_avg']],
+    'fedres_sgd': [f if f != '--algorithm=fedres_avg'
+                   else '--algorithm=fedres_sgd' for f in CONFIGS['fedres_avg']],
     'mixed_pt': [f if f != '--algorithm=mixed_2wgt' else '--algorithm=mixed_pt'
                  for f in CONFIGS['mixed_2wgt']],
     'mixed_1wgt': [f if f != '--algorithm=mixed_2wgt'
