@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import logging
 import os
+import shutil
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -195,6 +196,7 @@ class CheckpointManager:
 
   def __init__(self, checkpoint_dir: str, keep: int):
     self._dir = checkpoint_dir
+    self._keep = keep
     self._manager = tff.program.FileProgramStateManager(
         checkpoint_dir, prefix=CHECKPOINT_PREFIX, keep_total=keep,
         keep_first=False)
@@ -254,6 +256,20 @@ class CheckpointManager:
     if int(state['round_num']) != round_num:
       raise UsageError(f'checkpoint {path} holds round {state["round_num"]}')
     return state
+
+  def drop_unkept(self) -> list[int]:
+    """Deletes the checkpoints before the newest `keep`, as a save does
+    after its write; returns their rounds. A run stopped between the two
+    (SIGINT cancels the save's task while its writer thread finishes the
+    write; SIGTERM's handler lets it finish) left one more, which no later
+    save drops when the run has no round left, and the client states it
+    names with it."""
+    if self._keep <= 0:
+      return []
+    dropped = self.rounds()[:-self._keep]
+    for round_num in dropped:
+      shutil.rmtree(os.path.join(self._dir, f'{CHECKPOINT_PREFIX}{round_num}'))
+    return dropped
 
   def save(self, round_num: int, server_state, versions: np.ndarray) -> None:
     os.makedirs(self._dir, exist_ok=True)
@@ -568,6 +584,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
   else:
     loaded = checkpoints.load(start_round, structure(start_round))
     server_state = loaded['server_state']
+    checkpoints.drop_unkept()  # Before the keeper collects unnamed states.
     if keeper:
       keeper.start(start_round, loaded['client_versions'])
     run_directory.finish_resume(run_dir, resume)

@@ -25,6 +25,8 @@ _UNLOCKED_GRACE_SECONDS = 60
 
 _directory: Optional[str] = None
 _lock_fd: Optional[int] = None
+# Where `_directory` was made (`tempfile` keeps naming a removed directory).
+_parent: Optional[str] = None
 
 
 def _owner_is_gone(path: str) -> bool:
@@ -71,10 +73,10 @@ def use_private_temp_dir() -> Optional[str]:
   Returns the directory, or None when the temp directory is not writable
   (then nothing changes and the error, if any, comes from the first use).
   """
-  global _directory, _lock_fd
+  global _directory, _lock_fd, _parent
   if _directory is not None:
     return _directory
-  parent = tempfile.gettempdir()
+  parent = _parent or tempfile.gettempdir()
   removed = remove_stale(parent)
   if removed:
     logging.info('Removed %d temp directories of ended processes from %s',
@@ -86,20 +88,25 @@ def use_private_temp_dir() -> Optional[str]:
   except OSError:
     return None
   fcntl.flock(lock_fd, fcntl.LOCK_EX)
-  _directory, _lock_fd = directory, lock_fd
+  _directory, _lock_fd, _parent = directory, lock_fd, parent
   tempfile.tempdir = directory
   atexit.register(remove_private_temp_dir)
   return directory
 
 
 def remove_private_temp_dir() -> None:
-  """Removes this process's directory (at exit, or on a fatal signal)."""
+  """Removes this process's directory (at exit, or on a fatal signal).
+
+  `tempfile` keeps naming the removed directory, so that a file made after
+  this fails instead of going to the shared temp directory: on a fatal
+  signal the process's other threads run until the re-raised signal ends it
+  (e.g. TFF's checkpoint writer, whose tf.function autograph converts into a
+  temp file), and the atexit hook that would remove such a file never runs.
+  """
   global _directory, _lock_fd
   if _directory is None:
     return
   directory, _directory = _directory, None
-  if tempfile.tempdir == directory:
-    tempfile.tempdir = None
   shutil.rmtree(directory, ignore_errors=True)
   if _lock_fd is not None:
     os.close(_lock_fd)

@@ -18,6 +18,11 @@ a killed run.
       [--algorithms=scaffold,fedres_avg,mixed_2wgt] [--work_dir=DIR] [--seed=0]
       [--train_flags="--num_workers=2"]
 
+  --signals=kill,term,int,intpg,termpg picks each stop's signal at random
+(intpg/termpg: to the run's process group, workers too, as Ctrl-C or
+`timeout` sends it); configs beyond the first three: fedpvr, fedres_naive,
+fedres_sgd, mixed_pt, mixed_1wgt, fedprox_sgdm, fedavg_dp, fedavg_compression.
+
 Prints one line per algorithm: `<algorithm>: K/N resumed bit-identically`.
 Exit status 0 when all did.
 """
@@ -61,6 +66,27 @@ CONFIGS = {
                    '--client_steps=1', '--central_batch_size=16',
                    '--rounds_per_checkpoint=2', '--total_rounds=8'],
 }
+_DIGITS = ['--task=digits', '--num_clients=20', '--clients_per_round=5',
+           '--client_steps=2', '--rounds_per_checkpoint=2',
+           '--total_rounds=10']
+CONFIGS.update({
+    'fedpvr': _DIGITS + ['--algorithm=fedpvr'],
+    'fedres_naive': [f if f != '--algorithm=fedres_avg'
+                     else '--algorithm=fedres_naive'
+                     for f in CONFIGS['fedres_avg']],
+    'fedres_sgd': [f if f != '--algorithm=fedres_avg'
+                   else '--algorithm=fedres_sgd' for f in CONFIGS['fedres_avg']],
+    'mixed_pt': [f if f != '--algorithm=mixed_2wgt' else '--algorithm=mixed_pt'
+                 for f in CONFIGS['mixed_2wgt']],
+    'mixed_1wgt': [f if f != '--algorithm=mixed_2wgt'
+                   else '--algorithm=mixed_1wgt' for f in CONFIGS['mixed_2wgt']],
+    'fedprox_sgdm': _DIGITS + ['--algorithm=fedprox', '--proximal_strength=0.1',
+                               '--server_optimizer=sgdm'],
+    'fedavg_dp': _DIGITS + ['--algorithm=fedavg', '--aggregator=dp',
+                            '--clip_norm=1.0', '--dp_noise_multiplier=0.5'],
+    'fedavg_compression': _DIGITS + ['--algorithm=fedavg',
+                                     '--aggregator=compression'],
+})
 
 
 def train_command(flags: list[str], run_dir: str) -> list[str]:
@@ -110,9 +136,17 @@ def last_round(run_dir: str, since: float) -> int:
   return int(complete[-1].split(',')[0]) if complete else 0
 
 
+SIGNALS = {'kill': signal.SIGKILL, 'term': signal.SIGTERM,
+           'int': signal.SIGINT,
+           # To the run's whole process group (its workers too), as Ctrl-C
+           # in a terminal or `timeout` sends it: negative numbers here.
+           'intpg': -signal.SIGINT, 'termpg': -signal.SIGTERM}
+
+
 def kill_in_round(command: list[str], env: dict, run_dir: str,
                   target_round: int, round_seconds: float,
-                  rng: random.Random) -> list[int]:
+                  rng: random.Random,
+                  sig: int = signal.SIGKILL) -> list[int]:
   """Starts `command` and SIGKILLs it at a random moment of round
   `target_round` (once the row of the round before is written: inside the
   round, its row and event writes, or its checkpoint write). Returns the
@@ -121,7 +155,8 @@ def kill_in_round(command: list[str], env: dict, run_dir: str,
   process = subprocess.Popen(command, cwd=REPO, env=env,
                              stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+                             stderr=subprocess.DEVNULL,
+                             start_new_session=sig < 0)
   workers = []
   while process.poll() is None:
     workers = workers_of(process.pid) or workers
@@ -130,10 +165,26 @@ def kill_in_round(command: list[str], env: dict, run_dir: str,
       break
     time.sleep(0.01)
   if process.poll() is None:
-    process.send_signal(signal.SIGKILL)
-  process.wait()
+    if sig < 0:
+      os.killpg(process.pid, -sig)
+    else:
+      process.send_signal(sig)
+  try:
+    process.wait(timeout=120)
+  except subprocess.TimeoutExpired:
+    print(f'  pid {process.pid} ignored signal {sig} for 120 s; SIGKILL',
+          flush=True)
+    process.kill()
+    process.wait()
+  if sig != signal.SIGKILL:
+    print(f'    {_signal_name(sig)}: exit status {process.returncode}',
+          flush=True)
   time.sleep(1.0)
   return [pid for pid in workers if _alive(pid)]
+
+
+def _signal_name(sig: int) -> str:
+  return signal.Signals(abs(sig)).name + (' to the group' if sig < 0 else '')
 
 
 def latest_checkpoint(run_dir: str) -> int:
@@ -264,7 +315,11 @@ def main() -> int:
   parser.add_argument('--train_flags', default='',
                       help='more flags for every run, space-separated (e.g. '
                       '"--num_workers=2")')
+  parser.add_argument('--signals', default='kill',
+                      help='comma-separated signals to pick from at random '
+                      'per stop: kill, term, int')
   args = parser.parse_args()
+  signals = [SIGNALS[n] for n in args.signals.split(',')]
   rng = random.Random(args.seed)
   work_dir = args.work_dir or tempfile.mkdtemp(prefix='fault_injection_')
   # A temp dir of its own, to see autograph files a killed run leaves.
@@ -290,10 +345,15 @@ def main() -> int:
         survivors = []
         stops = []
         for _ in range(args.kills):
-          target = rng.randint(latest_checkpoint(run_dir) + 1, total_rounds)
+          # A stop after the last round's checkpoint (before the export)
+          # leaves no later round to aim at: aim at the last one again.
+          target = rng.randint(
+              min(latest_checkpoint(run_dir) + 1, total_rounds), total_rounds)
+          sig = rng.choice(signals)
           survivors += kill_in_round(command, env, run_dir, target,
-                                     kill_window, rng)
-          stops.append(f'aimed at round {target}: {progress(run_dir)}')
+                                     kill_window, rng, sig)
+          stops.append(f'{_signal_name(sig)} aimed at round {target}: '
+                       f'{progress(run_dir)}')
         run_to_completion(command, env)
         found = differences(os.path.join(root, 'reference'),
                             os.path.join(root, name))

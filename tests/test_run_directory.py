@@ -560,3 +560,46 @@ def test_a_replaced_file_is_whole_or_as_it_was(tmp_path):
                                                            str(path))
     assert path.read_text() == '{"earlier": 1}'
     assert os.listdir(place) == ['evaluation_round_3.json']
+
+
+def test_no_temp_file_leaks_after_the_private_dir_is_removed(tmp_path):
+  # On SIGTERM the handler removes the private directory, and another thread
+  # (TFF's checkpoint writer tracing its tf.function) may still make an
+  # autograph file before the re-raised signal ends the process, which then
+  # runs no atexit hook: that file went to the shared TMPDIR, for good.
+  script = ('import os, signal, tempfile, threading\n'
+            'from pipeline import private_temp\n'
+            'private_temp.use_private_temp_dir()\n'
+            'removed = threading.Event()\n'
+            'def writer():\n'
+            '  removed.wait()\n'
+            '  try:\n'
+            '    tempfile.mkstemp(prefix="__autograph_generated_file")\n'
+            '  except OSError:\n'
+            '    pass\n'
+            '  os.kill(os.getpid(), signal.SIGKILL)  # The re-raised signal.\n'
+            'threading.Thread(target=writer).start()\n'
+            'private_temp.remove_private_temp_dir()  # The SIGTERM handler.\n'
+            'removed.set()\n'
+            'threading.Event().wait(60)\n')
+  env = {**os.environ, 'PYTHONPATH': REPO, 'TMPDIR': str(tmp_path)}
+  process = subprocess.run([sys.executable, '-c', script], cwd=REPO, env=env,
+                           timeout=60, check=False)
+  assert process.returncode == -9
+  assert os.listdir(tmp_path) == []
+
+
+def test_private_temp_dir_can_be_made_again_after_removal(tmp_path):
+  script = ('import os, tempfile\n'
+            'from pipeline import private_temp\n'
+            'first = private_temp.use_private_temp_dir()\n'
+            'private_temp.remove_private_temp_dir()\n'
+            'second = private_temp.use_private_temp_dir()\n'
+            'assert second != first and os.path.dirname(second) == '
+            'os.path.dirname(first), (first, second)\n'
+            'assert tempfile.mkstemp(dir=None)[1].startswith(second)\n'
+            'private_temp.remove_private_temp_dir()\n')
+  env = {**os.environ, 'PYTHONPATH': REPO, 'TMPDIR': str(tmp_path)}
+  subprocess.run([sys.executable, '-c', script], cwd=REPO, env=env,
+                 timeout=60, check=True)
+  assert os.listdir(tmp_path) == []
