@@ -665,6 +665,23 @@ CASES = [
                     '--total_rounds=3', f'--root_output_dir={p.root}'],
          lambda p: f'{p.fedres}/client_states: Read-only file system; '
          f'{RECOVERY}', status=3, during=read_only_root),
+    # A resume stopped at '<path>: Is a directory' / 'Not a directory'.
+    Case('directory_in_a_client_state_round', 'train',
+         lambda p: [*lib.FEDRES_FLAGS, '--experiment_name=fedres',
+                    '--total_rounds=3', f'--root_output_dir={p.root}'],
+         lambda p: f'{p.fedres}/client_states/round_2/mine is not a '
+         'client-state file (the store holds only files in round_<r> '
+         f'directories); move it out of {p.fedres}/client_states and re-run '
+         'the same command',
+         setup=lambda p: os.makedirs(f'{p.fedres}/client_states/round_2/mine',
+                                     exist_ok=True)),
+    Case('file_named_as_a_client_state_round', 'train',
+         lambda p: [*lib.FEDRES_FLAGS, '--experiment_name=fedres',
+                    '--total_rounds=3', f'--root_output_dir={p.root}'],
+         lambda p: f'{p.fedres}/client_states/round_9 is not a client-state '
+         'file (the store holds only files in round_<r> directories); move it '
+         f'out of {p.fedres}/client_states and re-run the same command',
+         setup=write('fedres/client_states/round_9', 'mine')),
     Case('read_only_evaluate', 'evaluate', of_base(),
          lambda p: f'{p.base}/evaluation_round_3.json: Read-only file system; '
          f'{RECOVERY}', status=3, during=read_only_root),

@@ -211,6 +211,22 @@ def _round_directories(directory: str) -> dict[int, str]:
   return found
 
 
+def foreign_entries(directory: str) -> list[str]:
+  """Paths in the store `directory` the store does not make: a round's name
+  that is not a directory, or an entry of a round that is not a file."""
+  foreign = []
+  for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+    path = os.path.join(directory, name)
+    if not is_round_directory(name):
+      continue
+    if not os.path.isdir(path):
+      foreign.append(path)
+      continue
+    foreign.extend(os.path.join(path, entry) for entry in sorted(os.listdir(path))
+                   if not os.path.isfile(os.path.join(path, entry)))
+  return foreign
+
+
 def recover(directory: str, committed_round: int) -> list[int]:
   """Removes the files of rounds after `committed_round` (a killed run's).
 
