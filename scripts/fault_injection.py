@@ -317,8 +317,14 @@ def main() -> int:
                       '"--num_workers=2")')
   parser.add_argument('--signals', default='kill',
                       help='comma-separated signals to pick from at random '
-                      'per stop: kill, term, int')
+                      'per stop: kill, term, int, or intpg/termpg (to the run\'s process group, as Ctrl-C and timeout send them)')
   args = parser.parse_args()
+  for flag, names, known in (('--algorithms', args.algorithms, CONFIGS),
+                             ('--signals', args.signals, SIGNALS)):
+    unknown = [n for n in names.split(',') if n not in known]
+    if unknown:
+      parser.error(f'{flag}: {unknown[0]!r} is unknown; allowed: '
+                   f'{", ".join(known)}')
   signals = [SIGNALS[n] for n in args.signals.split(',')]
   rng = random.Random(args.seed)
   work_dir = args.work_dir or tempfile.mkdtemp(prefix='fault_injection_')
