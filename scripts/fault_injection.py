@@ -317,7 +317,9 @@ def main() -> int:
                       '"--num_workers=2")')
   parser.add_argument('--signals', default='kill',
                       help='comma-separated signals to pick from at random '
-                      'per stop: kill, term, int, or intpg/termpg (to the run\'s process group, as Ctrl-C and timeout send them)')
+                      'per stop: kill, term, int, or intpg/termpg (to the '
+                      'run\'s process group, as Ctrl-C and timeout send '
+                      'them)')
   args = parser.parse_args()
   for flag, names, known in (('--algorithms', args.algorithms, CONFIGS),
                              ('--signals', args.signals, SIGNALS)):
