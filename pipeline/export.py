@@ -148,7 +148,8 @@ def export_saved_model(
 
   @tf.function(input_signature=[
       tf.TensorSpec(serving.input_spec.shape, serving.input_spec.dtype,
-                    name=serving.input_name)])
+                    name=serving.input_name)],
+               autograph=False)
   def serve(inputs):
     return dict(serving.postprocess(
         model(serving.preprocess(inputs), training=False)))

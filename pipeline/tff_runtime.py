@@ -126,10 +126,14 @@ def shutdown_workers() -> None:
   psutil.wait_procs(alive, timeout=5)
   tff = sys.modules.get('tensorflow_federated')
   if tff is not None:
-    if (not workers and _server_context is None and
-        tff.framework.get_context_stack().current is _context_after_shutdown):
-      return
     from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
+    current = tff.framework.get_context_stack().current
+    if not workers and _server_context is None and (
+        current is _context_after_shutdown or
+        # The context TFF installed at import, never used (e.g. a flag
+        # error): its ServiceManager is all there is to disarm.
+        tff_internals.disarm_idle_service_manager(current)):
+      return
     # A ServiceManager still referenced (e.g. from an exception's traceback)
     # would run its __del__ at teardown, when its module globals are None,
     # and print an AttributeError. Its worker is stopped above.

@@ -192,6 +192,32 @@ def detach_service_manager_workers() -> list[subprocess.Popen]:
   return processes
 
 
+def disarm_idle_service_manager(context) -> bool:
+  """Disarms TFF's one ServiceManager and returns True if it is `context`'s
+  and never started a worker; False (nothing done) otherwise.
+
+  Found without a scan of every object: each `local_cpp_executor_factory`
+  call defines its own ServiceManager class, so one class alive means one
+  manager. Then a shutdown has nothing else to release.
+  """
+  classes = [c for c in object.__subclasses__()
+             if c.__name__ == 'ServiceManager' and
+             c.__module__ == executor_factory.__name__]
+  if len(classes) != 1:
+    return False
+  try:
+    cells = (context._async_context._executor_factory._executor_stack_fn
+             .__closure__) or ()
+    contents = [cell.cell_contents for cell in cells]
+  except (AttributeError, ValueError):  # Not a TFF-built local context.
+    return False
+  managers = [c for c in contents if type(c) is classes[0]]  # pylint: disable=unidiomatic-typecheck
+  if len(managers) != 1 or managers[0]._process is not None:
+    return False
+  classes[0].__del__ = lambda self: None
+  return True
+
+
 def disarm_service_managers() -> None:
   """Makes the `__del__` of live ServiceManagers (whose workers are stopped)
   a no-op: at interpreter teardown it would print an AttributeError."""

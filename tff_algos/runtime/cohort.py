@@ -155,42 +155,70 @@ def build_group_update(definition: round_lib.RoundDefinition,
                                                  group['seeds'][index]))
       return contribution(result, costs)
 
-    @tf.function
     def run(message, round_num, group):
       if per_client:
         tf.debugging.assert_equal(tf.size(group['ids']), 1,
                                   'a per-client group holds one client')
       # Values of the loop's structure: the first client's initial state and
       # carry, and zeros shaped like a client's contribution.
-      client_state = read_state(group, 0)
-      carry = start(message, client_state)
-      total = tf.nest.map_structure(
+      first_state = read_state(group, 0)
+      first_carry = start(message, first_state)
+      zero_total = tf.nest.map_structure(
           lambda t: tf.zeros(t.shape, t.dtype),
-          finish_shapes(message, round_num, group, client_state, carry))
-      current = tf.constant(0, tf.int32)
-      # iter(): a while loop over an iterator; a loop over the dataset itself
-      # would run every step inside tf.data's reduce, several times slower.
-      for (index, pass_index, is_marker), batch in iter(group_stream(
-          client_dataset_fn, group['ids'], group['seeds'], work.passes)):
+          finish_shapes(message, round_num, group, first_state, first_carry))
+      # A while loop over an iterator; a loop over the dataset itself would
+      # run every step inside tf.data's reduce, several times slower.
+      elements = iter(group_stream(client_dataset_fn, group['ids'],
+                                   group['seeds'], work.passes))
+
+      def on_element(element, current, previous_state, previous_carry, total):
+        (index, pass_index, is_marker), batch = element
+
+        def next_client():
+          state = read_state(group, index)
+          return state, start(message, state)
+
         # tf.not_equal, not !=: TFF traces its computations in a TF1 graph,
         # where a tensor's == and != compare identities, in Python.
-        if tf.not_equal(index, current):
-          current = index
-          client_state = read_state(group, index)
-          carry = start(message, client_state)
-        if is_marker:
+        client_state, carry = tf.cond(
+            tf.not_equal(index, current), next_client,
+            lambda: (previous_state, previous_carry))
+
+        def end_of_pass():
+          ended = carry
           if work.end_pass is not None:
-            carry = _switch(pass_index, [
+            ended = _switch(pass_index, [
                 lambda f=f: f(context, message, visible(client_state), carry)
                 for f in work.end_pass])
-          if tf.equal(pass_index, last_pass):
-            total = _add(total, finish(message, round_num, group, index,
-                                       client_state, carry))
-        else:
-          carry = _switch(pass_index, [
+          summed = tf.cond(
+              tf.equal(pass_index, last_pass),
+              lambda: _add(total, finish(message, round_num, group, index,
+                                         client_state, ended)),
+              lambda: total)
+          return ended, summed
+
+        def step():
+          return _switch(pass_index, [
               lambda f=f: f(context, message, visible(client_state), carry,
                             batch)
-              for f in work.steps])
+              for f in work.steps]), total
+
+        carry, total = tf.cond(is_marker, end_of_pass, step)
+        return index, client_state, carry, total
+
+      def body(has_element, current, client_state, carry, total):
+        del has_element
+        element = elements.get_next_as_optional()
+        values = (current, client_state, carry, total)
+        return (element.has_value(), *tf.cond(
+            element.has_value(),
+            lambda: on_element(element.get_value(), *values),
+            lambda: values))
+
+      *_, total = tf.while_loop(
+          lambda has_element, *_: has_element, body,
+          (tf.constant(True), tf.constant(0, tf.int32), first_state,
+           first_carry, zero_total))
       return total
 
     def finish_shapes(message, round_num, group, client_state, carry):
@@ -199,12 +227,17 @@ def build_group_update(definition: round_lib.RoundDefinition,
       specs = tf.function(lambda: contribution(
           work.finish(context, message, visible(client_state), carry),
           None if client_cost_fn is None else client_cost_fn(
-              client_dataset_fn(group['ids'][0], group['seeds'][0])))
+              client_dataset_fn(group['ids'][0], group['seeds'][0]))),
+                          autograph=False
                           ).get_concrete_function().structured_outputs
       return tf.nest.map_structure(
           lambda t: tf.TensorSpec(t.shape, t.dtype), specs)
 
-    return run
+    # Without AutoGraph: it would convert every function the loop calls (the
+    # algorithm's, the model's, its metrics', the optimizer's), about 2 s
+    # of every process that builds a round, for nothing: their control flow
+    # is TF's own (tf.cond), as TFF's traced computations need anyway.
+    return tf.function(run, autograph=False)
 
   return bind
 

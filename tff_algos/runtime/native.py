@@ -92,12 +92,14 @@ class NativeProcess:
       # context (models, variables): lanes must not share variables.
       self._lanes = [group_update(definition.client_context())
                      for _ in range(cohort.native_lanes())]
-    self._broadcast = tf.function(definition.broadcast)
+    # Without AutoGraph, as TFF traces them (their control flow is TF's).
+    self._broadcast = tf.function(definition.broadcast, autograph=False)
     # Eager but for the server update: metric finalizers build Keras
     # metrics, which a tf.function would build again when it retraces.
     self._server_step = functools.partial(
         server.server_step, dataclasses.replace(
-            definition, server_update=tf.function(definition.server_update)))
+            definition, server_update=tf.function(definition.server_update,
+                                                  autograph=False)))
     self._central = None
     if definition.central is not None:
       self._central = tf.function(functools.partial(

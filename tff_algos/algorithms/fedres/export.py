@@ -112,7 +112,8 @@ def _save_personalized_model(task: base.Task,
   @tf.function(input_signature=[
       tf.TensorSpec(serving.input_spec.shape, serving.input_spec.dtype,
                     name=serving.input_name),
-      tf.TensorSpec([sum(sizes)], tf.float32, name='local_weights')])
+      tf.TensorSpec([sum(sizes)], tf.float32, name='local_weights')],
+               autograph=False)
   def serve(inputs, local_weights):
     # One client's theta is an input, so the export serves every client; it
     # is written into the local model's variables before they are read.

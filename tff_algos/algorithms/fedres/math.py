@@ -81,7 +81,8 @@ def _read(variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
 
 def _step(fn):
   # Batch shapes vary (last batch, client sizes): trace once for any shape.
-  return tf.function(fn, reduce_retracing=True)
+  # Straight-line code: AutoGraph would only spend time converting it.
+  return tf.function(fn, reduce_retracing=True, autograph=False)
 
 
 @_step
