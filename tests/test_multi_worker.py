@@ -205,7 +205,7 @@ def test_two_remote_workers_on_loopback_give_the_one_worker_run(
 
 @pytest.mark.time_limit(120)
 def test_a_remote_worker_that_stops_is_an_error_not_a_hang(
-    restore_default_context):
+    restore_default_context, monkeypatch):
   # TFF retried the call forever: training hung at 0% CPU.
   del restore_default_context
   port = portpicker.pick_unused_port()
@@ -217,6 +217,9 @@ def test_a_remote_worker_that_stops_is_an_error_not_a_hang(
     tff_runtime.configure_execution(worker_addresses=(f'localhost:{port}',))
     add_one = tff.tensorflow.computation(lambda x: x + 1, np.int32)
     assert add_one(1) == 2
+    # The wait for a stopped worker to answer again, shortened (read at
+    # each call): the test waits for it in full.
+    monkeypatch.setattr(tff_runtime, 'REMOTE_CONNECT_SECONDS', 1)
     worker.kill()
     worker.wait(timeout=30)
     with pytest.raises(EnvironmentFault, match='stopped answering'):
