@@ -7,6 +7,7 @@ write-permission errors as environment faults).
 
 
 import errno
+from typing import Optional
 
 # The OS's errors of an environment fault: a full disk or quota, a
 # read-only or not permitted output.
@@ -54,13 +55,36 @@ def load_error(dataset: str, path: str, error: Exception) -> Exception:
   """What to raise for a dataset loader's failure on `path`: an
   EnvironmentFault if it could not download (--download without a network:
   re-running once it is back goes on), else a UsageError (the file)."""
+  reason = download_failure(error)
+  if reason is not None:
+    return EnvironmentFault(
+        f'cannot download {dataset} into {path}: {reason}; check the '
+        'network (or put the file there yourself) and re-run the same '
+        'command')
+  return UsageError(f'cannot read {dataset} from {path}: {load_failure(error)}')
+
+
+def download_failure(error: BaseException) -> Optional[str]:
+  """Why `error` (or an error it was raised from) is a failed download -
+  no network, name resolution, a refused or timed-out connection - or None.
+
+  urllib (TFF's loaders) raises a URLError; requests (TFDS's downloads)
+  raises its own ConnectionError/Timeout around the socket's error, whose
+  message is the useful part.
+  """
+  import socket  # pylint: disable=g-import-not-at-top
   import urllib.error  # pylint: disable=g-import-not-at-top
+  found = None
   link = error
   while link is not None:
     if isinstance(link, urllib.error.URLError):
-      return EnvironmentFault(
-          f'cannot download {dataset} into {path}: {link.reason}; check the '
-          'network (or put the file there yourself) and re-run the same '
-          'command')
+      return str(link.reason)
+    if isinstance(link, (socket.gaierror, ConnectionError, TimeoutError)):
+      return str(link)
+    if type(link).__module__.startswith(('requests.', 'urllib3.')) and (
+        type(link).__name__ in ('ConnectionError', 'Timeout', 'ConnectTimeout',
+                                'ReadTimeout', 'NewConnectionError',
+                                'NameResolutionError', 'MaxRetryError')):
+      found = found or str(link)
     link = link.__cause__ or link.__context__
-  return UsageError(f'cannot read {dataset} from {path}: {load_failure(error)}')
+  return found

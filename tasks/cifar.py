@@ -27,6 +27,8 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from pipeline.errors import UsageError
+from pipeline.errors import download_failure
+from pipeline.errors import load_error
 from tasks import base
 from tasks import cifar_models
 from tasks import client_database
@@ -132,8 +134,12 @@ class _TfdsSource:
       if config.download:
         self._builder.download_and_prepare()
     except Exception as e:  # pylint: disable=broad-except
-      raise UsageError(f'cannot prepare TFDS {spec.name} in --data_dir='
-                       f'{config.data_dir}: {e}') from e
+      location = config.data_dir or 'TFDS\'s default data directory'
+      if config.download and download_failure(e) is not None:
+        # Without a network TFDS retries for minutes, then raises this.
+        raise load_error(f'TFDS {spec.name}', location, e) from e
+      raise UsageError(f'cannot prepare TFDS {spec.name} in {location}: '
+                       f'{e}') from e
     self.location = str(self._builder.data_dir)
 
   def split(self, split: str) -> tf.data.Dataset:

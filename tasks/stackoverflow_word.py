@@ -26,6 +26,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from pipeline.errors import load_error
 from tasks import base
 from tasks import stackoverflow_char
 # TFF's public create_word_prediction_task loads the vocabulary without its
@@ -80,8 +81,14 @@ def load_vocab(config: base.DataConfig, vocab_size: int) -> list[str]:
                      '(TFF StackOverflow vocabulary, in datasets/ or at the '
                      'top); pass --download to fetch it, or '
                      '--use_synthetic_data')
-  return list(tff.simulation.datasets.stackoverflow.load_word_counts(
-      cache_dir=cache_dir, vocab_size=vocab_size))
+  try:
+    return list(tff.simulation.datasets.stackoverflow.load_word_counts(
+        cache_dir=cache_dir, vocab_size=vocab_size))
+  except Exception as e:  # pylint: disable=broad-except
+    # Without a network: a urllib traceback.
+    raise load_error('the StackOverflow vocabulary',
+                     os.path.join(cache_dir, 'datasets', WORD_COUNT_NAME),
+                     e) from e
 
 
 def build_task(config: base.DataConfig) -> base.Task:

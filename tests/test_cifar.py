@@ -208,6 +208,48 @@ def test_tfds_mock_data(tmp_path):
       assert all(0 <= y < 100 for _, ys in batches for y in ys.numpy())
 
 
+def test_a_download_without_a_network_is_an_environment_fault(tmp_path):
+  # It was a usage error (status 2) saying "in --data_dir=None", after TFDS's
+  # retries; the same command works once the network is back.
+  import socket  # pylint: disable=import-outside-toplevel
+  import requests  # pylint: disable=import-outside-toplevel
+  import urllib3  # pylint: disable=import-outside-toplevel
+  from pipeline.errors import EnvironmentFault  # pylint: disable=import-outside-toplevel
+
+  def offline(*args, **kwargs):
+    del args, kwargs
+    # The chain requests raises when a name does not resolve.
+    try:
+      try:
+        raise socket.gaierror(-2, 'Name or service not known')
+      except socket.gaierror as unresolved:
+        raise urllib3.exceptions.MaxRetryError(
+            None, '/~kriz/cifar-10-binary.tar.gz', unresolved) from unresolved
+    except urllib3.exceptions.MaxRetryError as retried:
+      raise requests.exceptions.ConnectionError(retried) from retried
+
+  config = base.DataConfig(data_dir=str(tmp_path), download=True)
+  with mock.patch.object(tfds.core.DatasetBuilder, 'download_and_prepare',
+                         offline):
+    with pytest.raises(EnvironmentFault) as raised:
+      cifar.build_cifar10(config)
+  assert str(raised.value) == (
+      f'cannot download TFDS cifar10 into {tmp_path}: [Errno -2] Name or '
+      'service not known; check the network (or put the file there yourself) '
+      'and re-run the same command')
+  # Not a download failure: a usage error naming the directory.
+  def broken(*args, **kwargs):
+    del args, kwargs
+    raise ValueError('checksum mismatch')
+
+  with mock.patch.object(tfds.core.DatasetBuilder, 'download_and_prepare',
+                         broken):
+    with pytest.raises(UsageError) as raised:
+      cifar.build_cifar10(config)
+  assert str(raised.value) == (
+      f'cannot prepare TFDS cifar10 in {tmp_path}: checksum mismatch')
+
+
 def test_usage_errors(tmp_path, data_dir, cache_dir):
   with pytest.raises(UsageError, match='no prepared TFDS cifar10'):
     cifar.build_cifar10(_config(str(tmp_path), None))

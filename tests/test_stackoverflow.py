@@ -243,6 +243,30 @@ def test_word_task_without_vocabulary_is_a_usage_error(sources, tmp_path):
     so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
 
 
+def test_vocabulary_download_without_a_network_is_an_environment_fault(
+    sources, tmp_path, monkeypatch):
+  # It was a urllib traceback (status 1).
+  import shutil  # pylint: disable=import-outside-toplevel
+  import socket  # pylint: disable=import-outside-toplevel
+  import urllib.error  # pylint: disable=import-outside-toplevel
+  from pipeline.errors import EnvironmentFault  # pylint: disable=import-outside-toplevel
+  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
+
+  def offline(**kwargs):
+    del kwargs
+    raise urllib.error.URLError(socket.gaierror(-2, 'Name or service not known'))
+
+  monkeypatch.setattr(tff.simulation.datasets.stackoverflow,
+                      'load_word_counts', offline)
+  with pytest.raises(EnvironmentFault) as raised:
+    so_word.build_task(base.DataConfig(cache_dir=str(tmp_path), download=True))
+  assert str(raised.value) == (
+      'cannot download the StackOverflow vocabulary into '
+      f'{tmp_path}/datasets/stackoverflow.word_count: [Errno -2] Name or '
+      'service not known; check the network (or put the file there yourself) '
+      'and re-run the same command')
+
+
 def test_another_datasets_file_is_a_usage_error_that_says_so(tmp_path):
   # CelebA's file as stackoverflow.sqlite: the error line ended with ': '.
   from tests import celeba_fixture  # pylint: disable=g-import-not-at-top
