@@ -134,6 +134,12 @@ _LABEL_OUT_OF_RANGE = re.compile(
     r'\[0, \d+\)')
 
 
+# How a task's check of its parsed values reports a NaN or infinite one
+# (`tf.debugging.check_numerics`'s message: ours, then what it found).
+_NON_FINITE_DATA = re.compile(
+    r'(EMNIST pixels that are not finite) : Tensor had (NaN|Inf) values')
+
+
 def bad_data_message(error: BaseException) -> Optional[str]:
   """The one-line message for a task's data that cannot be parsed, if
   `error`'s chain (the error, its cause and context) reports it."""
@@ -147,6 +153,11 @@ def bad_data_message(error: BaseException) -> Optional[str]:
       return (f'the task\'s data files hold a damaged TFRecord file '
               f'({damaged.group(0)}): restore them, or use the files of this '
               'task (--cache_dir, --data_dir)')
+    non_finite = _NON_FINITE_DATA.search(str(link))
+    if non_finite:
+      return (f'the task\'s data files hold {non_finite.group(1)} '
+              f'({non_finite.group(2)}): they are damaged or not the files '
+              'of this task (--cache_dir, --data_dir)')
     label = _LABEL_OUT_OF_RANGE.search(str(link))
     if label:
       return (f'the task\'s data files hold a label the model has no class '

@@ -55,14 +55,22 @@ SYNTHETIC_EXAMPLES_PER_CLIENT = 20
 SYNTHETIC_TEST_EXAMPLES = 400
 
 
+# The message of the check on parsed pixels (binaries.app turns it into one
+# line).
+NON_FINITE_PIXELS = 'EMNIST pixels that are not finite'
+
+
 def _parse_examples(serialized: tf.Tensor) -> collections.OrderedDict:
   """TFF EMNIST's parsing of a (batch of) serialized tf.train.Example."""
   features = tf.io.parse_example(serialized, {
       'pixels': tf.io.FixedLenFeature(IMAGE_SHAPE, tf.float32),
       'label': tf.io.FixedLenFeature([], tf.int64),
   })
+  # A NaN or infinite pixel (a damaged file) would train silently: every
+  # client it reaches is dropped as non-finite, and the metrics are NaN.
+  pixels = tf.debugging.check_numerics(features['pixels'], NON_FINITE_PIXELS)
   return collections.OrderedDict(
-      label=tf.cast(features['label'], tf.int32), pixels=features['pixels'])
+      label=tf.cast(features['label'], tf.int32), pixels=pixels)
 
 
 def _serialize(label: int, pixels: np.ndarray) -> bytes:

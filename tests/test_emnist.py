@@ -213,3 +213,34 @@ def test_damaged_databases_are_usage_errors(tmp_path, parts, label_of,
   with pytest.raises(UsageError) as raised:
     emnist.build_task(_config(str(tmp_path)))
   assert str(raised.value) == message.format(db=db)
+
+
+@pytest.mark.parametrize('value, found', [(np.nan, 'NaN'), (np.inf, 'Inf')])
+def test_a_pixel_that_is_not_finite_is_bad_data(tmp_path, value, found):
+  # It trained silently: each client it reached was dropped as non-finite
+  # and the metrics were NaN. Now reading the client's batches fails, in
+  # this process (the native runtime, evaluation) or in a TFF worker, and
+  # the binaries print one line for it.
+  from binaries import app  # pylint: disable=import-outside-toplevel
+  _write_emnist_sqlite(str(tmp_path))
+  with sqlite3.connect(tmp_path / 'emnist_all.sqlite') as connection:
+    (rowid, blob), = connection.execute(
+        "SELECT rowid, serialized_example_proto FROM examples WHERE "
+        "split_name = 'all_train' LIMIT 1").fetchall()
+    example = tf.train.Example.FromString(blob)
+    example.features.feature['pixels'].float_list.value[5] = value
+    connection.execute(
+        'UPDATE examples SET serialized_example_proto = ? WHERE rowid = ?',
+        (example.SerializeToString(), rowid))
+  task = emnist.build_task(_config(str(tmp_path), similarity=100.0))
+  errors = []
+  for client_id in task.train_client_ids:
+    try:
+      list(task.client_dataset_computation(client_id, 1))
+    except tf.errors.InvalidArgumentError as error:
+      errors.append(error)
+  assert len(errors) == 1, errors
+  assert app.bad_data_message(errors[0]) == (
+      "the task's data files hold EMNIST pixels that are not finite "
+      f'({found}): they are damaged or not the files of this task '
+      '(--cache_dir, --data_dir)')
