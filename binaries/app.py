@@ -31,6 +31,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from pipeline import interrupts
 from pipeline import private_temp
 from pipeline import tff_runtime
 from pipeline.errors import ENVIRONMENT_ERRNOS
@@ -186,10 +187,11 @@ def _remove_temp_dir_on_fatal_signals() -> None:
 def _interrupt_once(signum, frame):
   """SIGINT: KeyboardInterrupt the first time, then ignored. A second one (a
   second Ctrl-C, or GNU `timeout -s INT`, which signals the process and then
-  its process group) interrupted the clean-up with a traceback."""
+  its process group) interrupted the clean-up with a traceback. Inside
+  `interrupts.deferred()` (a metrics row, a checkpoint) it comes at its end."""
   del signum, frame
   signal.signal(signal.SIGINT, signal.SIG_IGN)
-  raise KeyboardInterrupt
+  interrupts.interrupt()
 
 
 def run(main, allow_positional_args: bool = False) -> None:

@@ -10,7 +10,6 @@ so a checkpoint holds the round number, the server state and that index, and
 a resumed run is bit-identical to an uninterrupted one.
 """
 
-import asyncio
 import collections
 import dataclasses
 import errno
@@ -27,6 +26,7 @@ import tqdm
 
 from pipeline import evaluation
 from pipeline import export as export_lib
+from pipeline import interrupts
 from pipeline import run_directory
 from pipeline import tff_runtime
 from pipeline.errors import UsageError
@@ -206,7 +206,7 @@ class CheckpointManager:
       raise UsageError(f'{self._dir} is a file, not the directory of the '
                        "run's checkpoints")
     self._refuse_other_round_names()
-    return list(asyncio.run(self._manager.get_versions()) or ())
+    return list(interrupts.run_coroutine(self._manager.get_versions()) or ())
 
   def _refuse_other_round_names(self) -> None:
     """TFF reads a name as `int(name without the prefix)`, so it takes
@@ -242,7 +242,8 @@ class CheckpointManager:
                         'earlier one')
 
     try:
-      state = asyncio.run(self._manager.load(round_num, structure))
+      state = interrupts.run_coroutine(
+          self._manager.load(round_num, structure))
     except Exception as e:  # pylint: disable=broad-except
       raise incompatible(type(e).__name__) from e
     # TFF checks only the nesting: a model of another task with as many
@@ -273,7 +274,7 @@ class CheckpointManager:
 
   def save(self, round_num: int, server_state, versions: np.ndarray) -> None:
     os.makedirs(self._dir, exist_ok=True)
-    asyncio.run(self._manager.save(
+    interrupts.run_coroutine(self._manager.save(
         _program_state(round_num, server_state, versions), round_num))
 
 
@@ -653,8 +654,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                                                   keeper.view()),
               'eval_personalized/'))
         row['eval_seconds'] = time.perf_counter() - eval_started
-      asyncio.run(csv_metrics.release(row, round_num))
-      asyncio.run(tensorboard.release(row, round_num))
+      interrupts.run_coroutine(csv_metrics.release(row, round_num))
+      interrupts.run_coroutine(tensorboard.release(row, round_num))
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
         checkpoints.save(round_num, server_state,
                          keeper.index.versions if keeper else
