@@ -68,23 +68,17 @@ def download_failure(error: BaseException) -> Optional[str]:
   """Why `error` (or an error it was raised from) is a failed download -
   no network, name resolution, a refused or timed-out connection - or None.
 
-  urllib (TFF's loaders) raises a URLError; requests (TFDS's downloads)
-  raises its own ConnectionError/Timeout around the socket's error, whose
-  message is the useful part.
+  urllib (TFF's loaders) raises a URLError; requests and urllib3 (TFDS's
+  downloads) raise their own errors from the socket's, whose message is the
+  useful part.
   """
   import socket  # pylint: disable=g-import-not-at-top
   import urllib.error  # pylint: disable=g-import-not-at-top
-  found = None
   link = error
   while link is not None:
     if isinstance(link, urllib.error.URLError):
       return str(link.reason)
     if isinstance(link, (socket.gaierror, ConnectionError, TimeoutError)):
       return str(link)
-    if type(link).__module__.startswith(('requests.', 'urllib3.')) and (
-        type(link).__name__ in ('ConnectionError', 'Timeout', 'ConnectTimeout',
-                                'ReadTimeout', 'NewConnectionError',
-                                'NameResolutionError', 'MaxRetryError')):
-      found = found or str(link)
     link = link.__cause__ or link.__context__
-  return found
+  return None

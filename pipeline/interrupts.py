@@ -11,6 +11,7 @@ leaves one checkpoint too many. The binaries' SIGINT handler calls
 inside it.
 """
 
+import asyncio
 import contextlib
 
 _depth = 0
@@ -43,6 +44,5 @@ def deferred():
 
 def run_coroutine(coroutine):
   """`asyncio.run(coroutine)` with Ctrl-C held back until it is done."""
-  import asyncio  # pylint: disable=g-import-not-at-top
   with deferred():
     return asyncio.run(coroutine)

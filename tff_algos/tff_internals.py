@@ -172,12 +172,20 @@ def set_no_default_context() -> None:
   set_default_context.set_no_default_context()
 
 
-def _service_managers() -> list:
+def _is_service_manager_class(cls: type) -> bool:
   # TFF defines its ServiceManager class inside local_cpp_executor_factory,
-  # a new class per factory, so live instances are found, not the class.
+  # a new class per factory: recognized by name and module.
+  return (cls.__name__ == 'ServiceManager' and
+          cls.__module__ == executor_factory.__name__)
+
+
+def _disarm(service_manager_class: type) -> None:
+  service_manager_class.__del__ = lambda self: None
+
+
+def _service_managers() -> list:
   return [obj for obj in gc.get_objects()
-          if type(obj).__name__ == 'ServiceManager' and
-          type(obj).__module__ == executor_factory.__name__]
+          if _is_service_manager_class(type(obj))]
 
 
 def detach_service_manager_workers() -> list[subprocess.Popen]:
@@ -201,8 +209,7 @@ def disarm_idle_service_manager(context) -> bool:
   manager. Then a shutdown has nothing else to release.
   """
   classes = [c for c in object.__subclasses__()
-             if c.__name__ == 'ServiceManager' and
-             c.__module__ == executor_factory.__name__]
+             if _is_service_manager_class(c)]
   if len(classes) != 1:
     return False
   try:
@@ -214,7 +221,7 @@ def disarm_idle_service_manager(context) -> bool:
   managers = [c for c in contents if type(c) is classes[0]]  # pylint: disable=unidiomatic-typecheck
   if len(managers) != 1 or managers[0]._process is not None:
     return False
-  classes[0].__del__ = lambda self: None
+  _disarm(classes[0])
   return True
 
 
@@ -223,7 +230,7 @@ def disarm_service_managers() -> None:
   a no-op: at interpreter teardown it would print an AttributeError."""
   for manager in _service_managers():
     manager._process = None
-    type(manager).__del__ = lambda self: None
+    _disarm(type(manager))
 
 
 def fix_mergeable_context() -> None:
