@@ -9,6 +9,7 @@ resumed run sees exactly the batches of an uninterrupted one.
 
 import collections
 import dataclasses
+import os
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -138,6 +139,43 @@ class Task:
     return tff.learning.models.from_keras_model(
         self.keras_model_fn(), loss=self.loss_fn(),
         input_spec=self.batch_spec, metrics=self.metrics_fn())
+
+
+def check_batches_fit(task: Task, config: DataConfig) -> None:
+  """A batch that cannot fit in this machine's memory is a usage error.
+
+  With --client_steps a client's examples repeat until its K batches are full,
+  and central batches always repeat, so a batch of B examples is really built
+  whatever the data hold; a B far beyond the memory would only end, after
+  minutes of swapping, in the out-of-memory killer. (Batches of
+  --client_epochs and of evaluation hold at most the data there are.)
+  """
+  memory = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+  example = _example_bytes(task.batch_spec)
+  repeated = []
+  if config.client_steps is not None:
+    repeated.append(('client_batch_size', config.client_batch_size))
+  if task.server_dataset_computation is not None:
+    repeated.append(('central_batch_size', config.central_batch_size))
+  for name, size in repeated:
+    if size * example > memory:
+      raise UsageError(
+          f'--{name}={size} is impossible: one batch of {task.name} examples '
+          f'takes at least {_gigabytes(size * example)}, more than this '
+          f"machine's {_gigabytes(memory)} of memory")
+
+
+def _example_bytes(batch_spec) -> int:
+  """A lower bound on one example's bytes (unknown dimensions count 1)."""
+  total = 0
+  for spec in tf.nest.flatten(batch_spec):
+    dims = spec.shape.as_list()[1:] if spec.shape.rank else []
+    total += int(np.prod([d or 1 for d in dims])) * max(spec.dtype.size, 1)
+  return total
+
+
+def _gigabytes(num_bytes: int) -> str:
+  return f'{num_bytes / 2**30:,.1f} GB'
 
 
 def client_batches(examples: tf.data.Dataset, config: DataConfig,

@@ -54,4 +54,6 @@ def data_locations(name: str) -> tuple[str, ...]:
 def build_task(name: str, config: base.DataConfig) -> base.Task:
   builder = _builder(name)
   config.validate()
-  return dataclasses.replace(builder(config), data_config=config)
+  task = builder(config)
+  base.check_batches_fit(task, config)
+  return dataclasses.replace(task, data_config=config)

@@ -8,6 +8,7 @@ import tensorflow_federated as tff
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import celeba
+from tasks import registry
 from tests.celeba_fixture import write_celeba_sqlite
 
 
@@ -34,10 +35,10 @@ def _numpy_batches(dataset):
 
 
 def _config(directory, mode, **kwargs):
-  return base.DataConfig(cache_dir=directory, client_batch_size=2,
-                         client_steps=2, central_batch_size=3,
-                         central_steps=2, options={'celeba_mode': mode},
-                         **kwargs)
+  return base.DataConfig(**{
+      'cache_dir': directory, 'client_batch_size': 2, 'client_steps': 2,
+      'central_batch_size': 3, 'central_steps': 2,
+      'options': {'celeba_mode': mode}, **kwargs})
 
 
 def test_mixed_mode_composite_clients_and_label_split(cache_dir):
@@ -244,3 +245,13 @@ def test_unparsable_examples_end_training_with_one_error_line(tmp_path):
       "error: the task's data files hold records that cannot be parsed "
       '(Could not parse example input): they are damaged or not the files '
       'of this task (--cache_dir, --data_dir)')
+
+
+def test_a_central_batch_beyond_the_memory_is_a_usage_error(cache_dir):
+  # Central batches repeat, so a batch of that size is really built.
+  directory, _ = cache_dir
+  with pytest.raises(UsageError, match=(
+      r'^--central_batch_size=2147483647 is impossible: one batch of '
+      r'celeba_smile examples takes at least [\d,.]+ GB')):
+    registry.build_task('celeba_smile', _config(
+        directory, 'mixed', central_batch_size=2**31 - 1))

@@ -158,3 +158,20 @@ def test_serving_preprocess_takes_raw_images():
   features = digits.to_model_input(images)
   assert features.shape == (2, 64)
   np.testing.assert_allclose(features.numpy(), 1.0)
+
+
+def test_a_repeated_batch_beyond_the_memory_is_a_usage_error():
+  # With K steps the client's examples repeat until a batch is full, so the
+  # batch is really built (it ran until the out-of-memory killer came).
+  huge = base.DataConfig(client_batch_size=2**31 - 1, client_steps=2)
+  with pytest.raises(UsageError, match=(
+      r"^--client_batch_size=2147483647 is impossible: one batch of digits "
+      r"examples takes at least [\d,.]+ GB, more than this machine's "
+      r"[\d,.]+ GB of memory$")):
+    registry.build_task('digits', huge)
+  # Epochs: a batch holds at most the client's examples.
+  task = registry.build_task('digits', base.DataConfig(
+      client_batch_size=2**31 - 1, client_epochs=1))
+  batches = list(task.client_dataset_computation(
+      id=task.train_client_ids[0], seed=1))
+  assert len(batches) == 1
