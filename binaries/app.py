@@ -34,6 +34,7 @@ from absl import logging
 from pipeline import interrupts
 from pipeline import private_temp
 from pipeline import tff_runtime
+from pipeline.errors import DAMAGED_CLIENT_STATE
 from pipeline.errors import ENVIRONMENT_ERRNOS
 from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
@@ -141,9 +142,23 @@ _NON_FINITE_DATA = re.compile(
     r'(EMNIST pixels that are not finite) : Tensor had (NaN|Inf) values')
 
 
+# How a client's state file whose values do not match its checksum is
+# reported (tf.debugging.Assert's message: the marker, then the path), from
+# this process or from the worker.
+_DAMAGED_STATE = re.compile(
+    r'\[' + re.escape(DAMAGED_CLIENT_STATE) + r'\] \[([^\]]+)\]')
+
+
 def bad_data_message(error: BaseException) -> Optional[str]:
-  """The one-line message for a task's data that cannot be parsed, if
-  `error`'s chain (the error, its cause and context) reports it."""
+  """The one-line message for a task's data that cannot be parsed, or a
+  damaged client state file, if `error`'s chain (the error, its cause and
+  context) reports it."""
+  for link in _chain(error):
+    damaged = _DAMAGED_STATE.search(str(link))
+    if damaged:
+      return (f'{damaged.group(1)} is damaged: its values do not match its '
+              'checksum, so the run cannot go on exactly. Restore the client '
+              'state directory or start a new --experiment_name')
   if any(_UNPARSABLE_DATA in str(e) for e in _chain(error)):
     return ('the task\'s data files hold records that cannot be parsed '
             f'({_UNPARSABLE_DATA}): they are damaged or not the files of '

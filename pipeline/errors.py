@@ -14,6 +14,11 @@ from typing import Optional
 ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
                       errno.EPERM)
 
+# What a client's state file whose values do not match its checksum raises
+# (`tff_algos.runtime.client_states`), its path after it.
+DAMAGED_CLIENT_STATE = ('client state file damaged: its values do not match '
+                        'its checksum')
+
 
 class UsageError(Exception):
   """Bad user input: unknown names, impossible values, missing/corrupt files.

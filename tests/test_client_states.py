@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from binaries import app
+from pipeline import errors
 from pipeline import export as export_lib
 from tff_algos.runtime import client_states
 import fault_testlib
@@ -82,6 +84,49 @@ def test_an_empty_state_is_stored_too(tmp_path):
   assert state_format.load('1', 2) == {'control_variate': []}
   assert os.path.getsize(state_format.file_path('1', 2)) == (
       client_states.serialized_size(state_format.specs))
+
+
+@pytest.mark.parametrize('dtypes,flat', [
+    ((np.float32, np.float32), True), ((np.float64, np.float64), True),
+    ((np.float32, np.int64), False), ((np.float16, np.float16), False)],
+    ids=['float32', 'float64', 'mixed_dtypes', 'float16'])
+def test_a_state_with_any_one_value_changed_is_an_error_naming_its_file(
+    tmp_path, dtypes, flat):
+  state_format = _format(tmp_path, specs={
+      'a': tf.TensorSpec([2, 3], tf.as_dtype(dtypes[0])),
+      'b': [tf.TensorSpec([4], tf.as_dtype(dtypes[1]))]})
+  state = {'a': np.linspace(-1, 1, 6).astype(dtypes[0]).reshape(2, 3),
+           'b': [np.arange(4).astype(dtypes[1])]}
+  state_format.write(tf.constant('c'), tf.constant(3, tf.int64), state)
+  path = state_format.file_path('c', 3)
+  intact = open(path, 'rb').read()
+  header = client_states.file_header(state_format.specs)
+  np.testing.assert_array_equal(state_format.load('c', 3)['a'], state['a'])
+
+  @tf.function(autograph=False)
+  def read():
+    return state_format.read(tf.constant('c'), tf.constant(3, tf.int64))
+
+  # Every byte after the fixed header: a value or the checksum (one flat
+  # tensor); with mixed dtypes also the framing of the serialized leaves.
+  found = 0
+  for position in range(len(header), len(intact)):
+    damaged = bytearray(intact)
+    damaged[position] ^= 0x10
+    with open(path, 'wb') as f:
+      f.write(damaged)
+    for load in (lambda: state_format.load('c', 3), read):
+      with pytest.raises((tf.errors.InvalidArgumentError,
+                          tf.errors.DataLossError)) as raised:
+        load()
+      if flat or 'assertion failed' in str(raised.value):
+        assert (f'[{errors.DAMAGED_CLIENT_STATE}] [{path}]'
+                in str(raised.value))
+        assert app.bad_data_message(raised.value).startswith(
+            f'{path} is damaged: its values do not match its checksum')
+        found += 1
+  # The leaves' own bytes are the most of a file, framing or not.
+  assert found > (len(intact) - len(header))
 
 
 def _write(state_format, client_id, version):
@@ -275,11 +320,11 @@ def test_missing_or_overwritten_client_states_are_one_clear_error(
   args = _args(tmp_path, 'run')
   args[args.index(f'--total_rounds={ROUNDS}')] = f'--total_rounds={ROUNDS + 1}'
 
-  def resume_fails(damaged: str):
+  def resume_fails(damaged: str, says: str = 'missing or damaged'):
     done = train_binary(*args)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [l for l in done.stderr.splitlines() if l.startswith('error:')]
-    assert len(errors) == 1 and 'missing or damaged' in errors[0], errors
+    assert len(errors) == 1 and says in errors[0], errors
     assert damaged in errors[0]
     assert 'Traceback' not in done.stderr
     assert (tmp_path / 'run' / 'metrics.csv').read_bytes() == metrics_before
@@ -292,6 +337,15 @@ def test_missing_or_overwritten_client_states_are_one_clear_error(
   damaged.write_bytes(np.random.default_rng(0).bytes(len(intact)))
   resume_fails(damaged.name)
   damaged.write_bytes(intact)
+  # One value changed in every state file (their size and header intact):
+  # found when a client reads its state, as the first resumed round starts.
+  files = sorted(store.glob('round_*/*.state'))
+  for path in files:
+    values = bytearray(path.read_bytes())
+    values[len(values) // 2] ^= 1
+    path.write_bytes(values)
+  resume_fails(f'{store}/round_', says=' is damaged: its values do not match '
+               'its checksum')
   # The whole store gone.
   subprocess.run(['rm', '-r', str(store)], check=True)
   resume_fails('client_states')
