@@ -80,6 +80,7 @@ from pipeline.errors import UsageError
 # Keras models as if executing eagerly and fails.
 import tensorflow as tf  # pylint: disable=g-bad-import-order
 from tff_algos.algorithms import sgd_step  # pylint: disable=g-bad-import-order
+from tff_algos.runtime import client_states  # pylint: disable=g-bad-import-order
 
 _CLIENTS_PER_ROUND = flags.DEFINE_integer(
     'clients_per_round', 100, 'Clients per round of the headline ratios.')
@@ -349,20 +350,21 @@ class _StateFiles:
     self._root = root
     # As the driver does: written states leave the page cache unless the
     # next round reads them.
-    self.evictor = page_cache.ClosedFileEvictor('.state')
+    self.evictor = page_cache.ClosedFileEvictor(client_states.SUFFIX)
     self._initial = [tf.constant(t) for t in initial_state]
-    self._shapes = [t.shape for t in self._initial]
-    self._sizes = [t.shape.num_elements() for t in self._initial]
+    self._specs = [tf.TensorSpec(t.shape, t.dtype) for t in self._initial]
     self._latest = {}  # client index -> the round that wrote its state.
 
   def path(self, index: int, round_num: int) -> str:
-    return os.path.join(self._root, f'round_{round_num}', f'{index}.state')
+    return os.path.join(self._root, f'round_{round_num}',
+                        f'{index}{client_states.SUFFIX}')
 
   def start_round(self, round_num: int, next_indices) -> None:
     """Its states leave RAM as written, but those the next round reads."""
     directory = os.path.join(self._root, f'round_{round_num}')
     os.makedirs(directory, exist_ok=True)
-    self.evictor.follow(directory, [f'{i}.state' for i in next_indices])
+    self.evictor.follow(directory, [f'{i}{client_states.SUFFIX}'
+                                    for i in next_indices])
 
   def read_path(self, index: int) -> str:
     """'' when the client has no state yet."""
@@ -374,16 +376,13 @@ class _StateFiles:
     self._latest[index] = round_num
 
   def read(self, path):
-    def from_file():
-      flat = tf.io.parse_tensor(tf.io.read_file(path), tf.float32)
-      return [tf.reshape(part, shape) for part, shape in zip(
-          tf.split(flat, self._sizes), self._shapes)]
-    return tf.cond(tf.equal(path, ''), lambda: self._initial, from_file)
+    """The store's format: the same parse and checksum."""
+    return tf.cond(
+        tf.equal(path, ''), lambda: self._initial,
+        lambda: client_states.decode(tf.io.read_file(path), self._specs, path))
 
-  @staticmethod
-  def write(path, tensors):
-    flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
-    return tf.io.write_file(path, tf.io.serialize_tensor(flat))
+  def write(self, path, tensors):
+    return tf.io.write_file(path, client_states.encode(tensors, self._specs))
 
 
 def _bound_client_update(algorithm, global_model, server_c, states,

@@ -13,7 +13,7 @@ workers need it on a path they share):
 
   round_<r>/<client id, base64url>.state   the state a client had after
                                            round r and its checksum
-                                           (`_encode`)
+                                           (`encode`)
   .owner                                   outside the run directory: the
                                            run whose store it is (the
                                            driver's `mark_store_directory`)
@@ -98,7 +98,7 @@ class StateFormat:
     # A graph, as in a client's computation: a damaged state's error then
     # reads the same here as from a worker.
     self._read_path = tf.function(
-        lambda path: _decode(tf.io.read_file(path), specs, path),
+        lambda path: decode(tf.io.read_file(path), specs, path),
         autograph=False)
 
   # ---- TF, inside the client's computation --------------------------------
@@ -113,7 +113,7 @@ class StateFormat:
 
     def stored():
       path = self._path(client_id, version)
-      return _decode(tf.io.read_file(path), self.specs, path)
+      return decode(tf.io.read_file(path), self.specs, path)
 
     def initial():
       return tf.nest.map_structure(
@@ -125,7 +125,7 @@ class StateFormat:
   def write(self, client_id: tf.Tensor, version: tf.Tensor, state) -> tf.Operation:
     # write_file creates the round directory when it is missing.
     return tf.io.write_file(self._path(client_id, version),
-                            _encode(state, self.specs))
+                            encode(state, self.specs))
 
   # ---- Python -------------------------------------------------------------
 
@@ -328,7 +328,7 @@ _CHECKSUM_DTYPES = {4: tf.uint32, 8: tf.uint64}
 
 
 def _flat_format(specs) -> bool:
-  """Whether a state is stored as one flat tensor (see `_encode`): its
+  """Whether a state is stored as one flat tensor (see `encode`): its
   values are of one dtype, numbers 4 or 8 bytes wide."""
   flat = tf.nest.flatten(specs)
   if not flat or len({s.dtype for s in flat}) != 1:
@@ -362,7 +362,7 @@ def _verified(leaves: list[tf.Tensor], matches: tf.Tensor,
     return [tf.identity(leaf) for leaf in leaves]
 
 
-def _encode(state, specs) -> tf.Tensor:
+def encode(state, specs) -> tf.Tensor:
   """One state as the bytes of its file, with a checksum of its values.
 
   States of one dtype (every algorithm's here) are their leaves flattened
@@ -389,8 +389,8 @@ def _fingerprints(parts: tf.Tensor) -> tf.Tensor:
   return tf.strings.to_hash_bucket_fast(parts, 2**63 - 1)
 
 
-def _decode(blob: tf.Tensor, specs, path):
-  """The state `_encode` wrote, its shapes checked against `specs` and its
+def decode(blob: tf.Tensor, specs, path):
+  """The state `encode` wrote, its shapes checked against `specs` and its
   values against its checksum (an error naming `path` if they differ)."""
   flat_specs = tf.nest.flatten(specs)
   if _flat_format(specs):
@@ -431,7 +431,7 @@ def file_header(specs) -> bytes:
   def encoded(fill):
     leaves = [tf.fill(s.shape, tf.constant(fill(s.dtype), s.dtype))
               for s in flat]
-    return _encode(tf.nest.pack_sequence_as(specs, leaves), specs).numpy()
+    return encode(tf.nest.pack_sequence_as(specs, leaves), specs).numpy()
 
   zeros = encoded(lambda dtype: False if dtype.is_bool else (
       '' if dtype == tf.string else 0))
@@ -459,4 +459,4 @@ def _without_zero_bytes(dtype: tf.DType):
 def serialized_size(specs) -> int:
   """Bytes of one stored state of `specs` (fixed shapes), for validation."""
   zeros = [tf.zeros(s.shape, s.dtype) for s in tf.nest.flatten(specs)]
-  return len(_encode(tf.nest.pack_sequence_as(specs, zeros), specs).numpy())
+  return len(encode(tf.nest.pack_sequence_as(specs, zeros), specs).numpy())
