@@ -157,8 +157,8 @@ def bad_data_message(error: BaseException) -> Optional[str]:
     damaged = _DAMAGED_STATE.search(str(link))
     if damaged:
       return (f'{damaged.group(1)} is damaged: its values do not match its '
-              'checksum, so the run cannot go on exactly. Restore the client '
-              'state directory or start a new --experiment_name')
+              'checksum; restore the client state directory, or train a new '
+              '--experiment_name')
   if any(_UNPARSABLE_DATA in str(e) for e in _chain(error)):
     return ('the task\'s data files hold records that cannot be parsed '
             f'({_UNPARSABLE_DATA}): they are damaged or not the files of '
