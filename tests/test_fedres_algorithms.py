@@ -6,6 +6,7 @@ starting theta_i, c and c_i, and 2 of N = 3 clients sampled (|S|/N rule).
 """
 
 import csv
+import dataclasses
 import os
 
 import numpy as np
@@ -367,3 +368,26 @@ def test_three_driver_rounds_carry_theta_and_controls(tmp_path):
   with open(os.path.join(config.run_dir, 'metrics.csv')) as f:
     logged = [float(row['train/loss']) for row in csv.DictReader(f)]
   np.testing.assert_allclose(logged, losses, **TOLERANCE)
+
+
+def test_unseen_clients_are_fitted_on_batches_of_the_runs_seed(task,
+                                                              monkeypatch):
+  made = []
+
+  class Recorder:
+
+    def __init__(self, *args, seed):
+      del args
+      made.append(seed)
+
+    def __call__(self, *args):
+      return {}
+
+  monkeypatch.setattr(fedres_eval, 'PersonalizedEvaluator', Recorder)
+  seeded = dataclasses.replace(task, data_config=base.DataConfig(seed=7))
+  definition = registry.build('fedres_naive', seeded,
+                              _settings('fedres_naive'))
+  server_state = {'global_model_weights': tff.learning.models.ModelWeights(
+      trainable=ft.model_weights(P0), non_trainable=[])}
+  definition.personalization.evaluate(server_state, None)
+  assert made == [7]

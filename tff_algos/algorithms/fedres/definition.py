@@ -162,9 +162,12 @@ def _personalization(task: base.Task, settings: FedResSettings,
 
   def evaluator():
     if not evaluators:
+      # The run's --seed shuffles the batches an unseen client's theta is
+      # fitted on, as it does every other batch of the run.
       evaluators.append(evaluation.PersonalizedEvaluator(
           task.residual_spec, task.personal_eval_data,
-          settings.local_learning_rate, settings.fedres_fit_unseen))
+          settings.local_learning_rate, settings.fedres_fit_unseen,
+          seed=task.data_config.seed if task.data_config else 0))
     return evaluators[0]
 
   def evaluate(server_state, states):
