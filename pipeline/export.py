@@ -111,15 +111,48 @@ def check_export_dir(export_dir: str, run_dir: str) -> None:
 
 
 def _staging_dir(export_dir: str) -> str:
-  """A new directory beside `export_dir`, named `<name>.<random>.staging`
-  (a resume of a run removes one its export left in the run directory)."""
+  """A new directory beside `export_dir`, named
+  `<name>.<process id>.<8 random characters>.staging` (a resume of a run
+  removes one its export left in the run directory; an export elsewhere, one
+  a killed export left beside it: `recover_abandoned_staging`)."""
   parent, name = os.path.split(export_dir)
   os.makedirs(parent, exist_ok=True)  # An unwritable place fails here.
   try:
-    return tempfile.mkdtemp(prefix=f'{name}.', suffix='.staging', dir=parent)
+    return tempfile.mkdtemp(prefix=f'{name}.{os.getpid()}.',
+                            suffix='.staging', dir=parent)
   except OSError as e:
     # Named by its directory: the random name would tell the user nothing.
     raise OSError(e.errno, e.strerror, parent) from e
+
+
+def recover_abandoned_staging(export_dir: str) -> None:
+  """Removes the staging directories exports to `export_dir` left when they
+  were killed (their process is gone); one killed between moving the old
+  export aside and the new one in first gets the old export back."""
+  parent, name = os.path.split(export_dir)
+  staging_name = re.compile(re.escape(name) +
+                            r'\.(\d+)\.[a-z0-9_]{8}\.staging')
+  for entry in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+    match = staging_name.fullmatch(entry)
+    if not match or _process_exists(int(match.group(1))):
+      continue
+    staging = os.path.join(parent, entry)
+    retired = os.path.join(staging, 'old')
+    if os.path.isdir(retired) and not os.path.lexists(export_dir):
+      os.rename(retired, export_dir)
+    shutil.rmtree(staging)
+
+
+def _process_exists(pid: int) -> bool:
+  if pid == os.getpid():
+    return True
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # Another user's.
+  return True
 
 
 def export_saved_model(
@@ -136,6 +169,7 @@ def export_saved_model(
   `export_dir`.
   """
   export_dir = os.path.abspath(export_dir)
+  recover_abandoned_staging(export_dir)
   check_replaceable(export_dir)
   model = evaluation.keras_model_with_weights(task, weights)
   serving = task.serving

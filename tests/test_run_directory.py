@@ -520,6 +520,45 @@ def test_export_deletes_only_what_it_wrote(small_model, tmp_path):
                       for name in ('mymodel.old', 'mymodel.staging')]
 
 
+def test_a_killed_exports_staging_goes_and_its_old_export_comes_back(
+    small_model, tmp_path, monkeypatch):
+  task, weights = small_model
+  target = tmp_path / 'mymodel'
+  export_lib.export_saved_model(task, weights, str(target))
+  exported = lib.tree_digest(target)
+  ended = subprocess.Popen(['true'])
+  ended.wait()
+  alive = subprocess.Popen(['sleep', '600'])
+  try:
+    # Killed between moving the old export aside and the new one in.
+    killed = tmp_path / f'mymodel.{ended.pid}.k2_x9qab.staging'
+    killed.mkdir()
+    os.rename(target, killed / 'old')
+    (killed / 'new').mkdir()
+    # An export still running, and a name that is not an export's.
+    running = tmp_path / f'mymodel.{alive.pid}.abcdefgh.staging'
+    running.mkdir()
+    users = tmp_path / f'mymodel.{ended.pid}.staging'
+    users.mkdir()
+
+    def fail_to_write(*args, **kwargs):
+      raise OSError(errno.ENOSPC, 'No space left on device', str(tmp_path))
+
+    with monkeypatch.context() as patch, pytest.raises(OSError):
+      patch.setattr(tf.saved_model, 'save', fail_to_write)
+      export_lib.export_saved_model(task, weights, str(target))
+    # The old export is back, though the new one could not be written.
+    assert lib.tree_digest(target) == exported
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ['mymodel', running.name, users.name])
+    export_lib.export_saved_model(task, weights, str(target))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ['mymodel', running.name, users.name])
+  finally:
+    alive.kill()
+    alive.wait()
+
+
 # -- private temp directories ----------------------------------------------
 
 def test_temp_dirs_of_ended_processes_are_removed(tmp_path):
