@@ -27,6 +27,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from pipeline.errors import UsageError
+from pipeline.errors import check_host_resolves
 from pipeline.errors import download_failure
 from pipeline.errors import load_error
 from tasks import base
@@ -53,15 +54,19 @@ SYNTHETIC_TEST_EXAMPLES = 200
 class CifarSpec:
   name: str
   num_classes: int
+  # Where TFDS downloads it from (its builder's URL).
+  url: str
   # Per-channel normalization of images in [0, 1] (FedDF's constants).
   mean: tuple[float, float, float]
   std: tuple[float, float, float]
 
 
-CIFAR10 = CifarSpec('cifar10', 10, (0.4914, 0.4822, 0.4465),
-                    (0.2023, 0.1994, 0.2010))
-CIFAR100 = CifarSpec('cifar100', 100, (0.5071, 0.4867, 0.4408),
-                     (0.2675, 0.2565, 0.2761))
+CIFAR10 = CifarSpec(
+    'cifar10', 10, 'https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz',
+    (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010))
+CIFAR100 = CifarSpec(
+    'cifar100', 100, 'https://www.cs.toronto.edu/~kriz/cifar-100-binary.tar.gz',
+    (0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761))
 
 
 def normalize(images: tf.Tensor, spec: CifarSpec) -> tf.Tensor:
@@ -131,12 +136,14 @@ class _TfdsSource:
     self._spec = spec
     try:
       self._builder = tfds.builder(spec.name, data_dir=config.data_dir)
-      if config.download:
+      if config.download and not self._builder.is_prepared():
+        check_host_resolves(spec.url)
         self._builder.download_and_prepare()
     except Exception as e:  # pylint: disable=broad-except
       location = config.data_dir or 'TFDS\'s default data directory'
       if config.download and download_failure(e) is not None:
-        # Without a network TFDS retries for minutes, then raises this.
+        # Also what TFDS raises after its retries (a name that resolves but
+        # does not answer).
         raise load_error(f'TFDS {spec.name}', location, e) from e
       raise UsageError(f'cannot prepare TFDS {spec.name} in {location}: '
                        f'{e}') from e

@@ -229,21 +229,49 @@ def test_a_download_without_a_network_is_an_environment_fault(tmp_path):
       raise requests.exceptions.ConnectionError(retried) from retried
 
   config = base.DataConfig(data_dir=str(tmp_path), download=True)
-  with mock.patch.object(tfds.core.DatasetBuilder, 'download_and_prepare',
-                         offline):
-    with pytest.raises(EnvironmentFault) as raised:
-      cifar.build_cifar10(config)
-  assert str(raised.value) == (
+  expected = (
       f'cannot download TFDS cifar10 into {tmp_path}: [Errno -2] Name or '
       'service not known; check the network (or put the file there yourself) '
       'and re-run the same command')
+
+  def unresolved(*args, **kwargs):
+    del args, kwargs
+    raise socket.gaierror(-2, 'Name or service not known')
+
+  resolved = lambda *args, **kwargs: []
+  no_proxy = mock.patch('urllib.request.getproxies', lambda: {})
+  # A name that does not resolve fails at once, before TFDS's minutes of
+  # retries.
+  with no_proxy, mock.patch('socket.getaddrinfo', unresolved), \
+      mock.patch.object(tfds.core.DatasetBuilder, 'download_and_prepare',
+                        side_effect=AssertionError('not called')):
+    with pytest.raises(EnvironmentFault) as raised:
+      cifar.build_cifar10(config)
+  assert str(raised.value) == expected
+  # One that resolves but does not answer fails after TFDS's retries.
+  with no_proxy, mock.patch('socket.getaddrinfo', resolved), \
+      mock.patch.object(tfds.core.DatasetBuilder, 'download_and_prepare',
+                        offline):
+    with pytest.raises(EnvironmentFault) as raised:
+      cifar.build_cifar10(config)
+  assert str(raised.value) == expected
+  # Behind a proxy names are the proxy's to resolve: not checked.
+  with mock.patch('urllib.request.getproxies',
+                  lambda: {'https': 'http://proxy:3128'}), \
+      mock.patch('socket.getaddrinfo', unresolved), \
+      mock.patch.object(tfds.core.DatasetBuilder, 'download_and_prepare',
+                        offline):
+    with pytest.raises(EnvironmentFault) as raised:
+      cifar.build_cifar10(config)
+  assert str(raised.value) == expected
   # Not a download failure: a usage error naming the directory.
   def broken(*args, **kwargs):
     del args, kwargs
     raise ValueError('checksum mismatch')
 
-  with mock.patch.object(tfds.core.DatasetBuilder, 'download_and_prepare',
-                         broken):
+  with no_proxy, mock.patch('socket.getaddrinfo', resolved), \
+      mock.patch.object(tfds.core.DatasetBuilder, 'download_and_prepare',
+                        broken):
     with pytest.raises(UsageError) as raised:
       cifar.build_cifar10(config)
   assert str(raised.value) == (
