@@ -153,17 +153,16 @@ def bad_data_message(error: BaseException) -> Optional[str]:
   """The one-line message for a task's data that cannot be parsed, or a
   damaged client state file, if `error`'s chain (the error, its cause and
   context) reports it."""
-  for link in _chain(error):
-    damaged = _DAMAGED_STATE.search(str(link))
-    if damaged:
-      return (f'{damaged.group(1)} is damaged: its values do not match its '
-              'checksum; restore the client state directory, or train a new '
-              '--experiment_name')
   if any(_UNPARSABLE_DATA in str(e) for e in _chain(error)):
     return ('the task\'s data files hold records that cannot be parsed '
             f'({_UNPARSABLE_DATA}): they are damaged or not the files of '
             'this task (--cache_dir, --data_dir)')
   for link in _chain(error):
+    damaged_state = _DAMAGED_STATE.search(str(link))
+    if damaged_state:
+      return (f'{damaged_state.group(1)} is damaged: its values do not match '
+              'its checksum; restore the client state directory, or train a '
+              'new --experiment_name')
     damaged = _DAMAGED_RECORD.search(str(link))
     if damaged:
       return (f'the task\'s data files hold a damaged TFRecord file '

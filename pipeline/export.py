@@ -1,6 +1,5 @@
 """Export of the global model as a SavedModel with `serving_default`."""
 
-import contextlib
 import os
 import re
 import shutil
@@ -12,6 +11,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline import evaluation
+from pipeline import private_temp
 from pipeline import run_directory
 from pipeline.errors import UsageError
 from tasks import base
@@ -110,16 +110,18 @@ def check_export_dir(export_dir: str, run_dir: str) -> None:
   check_replaceable(export_dir, flag)
 
 
-def _staging_dir(export_dir: str) -> str:
-  """A new directory beside `export_dir`, named
-  `<name>.<process id>.<8 random characters>.staging` (a resume of a run
-  removes one its export left in the run directory; an export elsewhere, one
-  a killed export left beside it: `recover_abandoned_staging`)."""
+def _staging_dir(export_dir: str) -> tuple[str, int]:
+  """A new directory beside `export_dir`, named `<name>.<random>.staging`,
+  and the descriptor that marks it as this process's while it is open (a
+  resume of a run removes one its export left in the run directory; an
+  export elsewhere, one a killed export left beside it:
+  `recover_abandoned_staging`)."""
   parent, name = os.path.split(export_dir)
   os.makedirs(parent, exist_ok=True)  # An unwritable place fails here.
   try:
-    return tempfile.mkdtemp(prefix=f'{name}.{os.getpid()}.',
-                            suffix='.staging', dir=parent)
+    staging = tempfile.mkdtemp(prefix=f'{name}.', suffix='.staging',
+                               dir=parent)
+    return staging, private_temp.lock_as_owner(staging)
   except OSError as e:
     # Named by its directory: the random name would tell the user nothing.
     raise OSError(e.errno, e.strerror, parent) from e
@@ -130,29 +132,16 @@ def recover_abandoned_staging(export_dir: str) -> None:
   were killed (their process is gone); one killed between moving the old
   export aside and the new one in first gets the old export back."""
   parent, name = os.path.split(export_dir)
-  staging_name = re.compile(re.escape(name) +
-                            r'\.(\d+)\.[a-z0-9_]{8}\.staging')
+  staging_name = re.compile(re.escape(name) + r'\.[a-z0-9_]{8}\.staging')
   for entry in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
-    match = staging_name.fullmatch(entry)
-    if not match or _process_exists(int(match.group(1))):
-      continue
     staging = os.path.join(parent, entry)
+    if (not staging_name.fullmatch(entry) or
+        not private_temp.owner_is_gone(staging)):
+      continue
     retired = os.path.join(staging, 'old')
     if os.path.isdir(retired) and not os.path.lexists(export_dir):
       os.rename(retired, export_dir)
     shutil.rmtree(staging)
-
-
-def _process_exists(pid: int) -> bool:
-  if pid == os.getpid():
-    return True
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True  # Another user's.
-  return True
 
 
 def export_saved_model(
@@ -189,7 +178,7 @@ def export_saved_model(
         model(serving.preprocess(inputs), training=False)))
 
   module.serve = serve
-  staging = _staging_dir(export_dir)
+  staging, owner_lock = _staging_dir(export_dir)
   new = os.path.join(staging, 'new')
   retired = os.path.join(staging, 'old')
   try:
@@ -208,9 +197,11 @@ def export_saved_model(
   except BaseException:
     # Only what this call wrote; an old export it could not put back stays.
     shutil.rmtree(new, ignore_errors=True)
-    with contextlib.suppress(OSError):
-      os.rmdir(staging)
+    if not os.path.lexists(retired):
+      shutil.rmtree(staging, ignore_errors=True)
     raise
+  finally:
+    os.close(owner_lock)
   shutil.rmtree(staging)
   return export_dir
 

@@ -29,7 +29,18 @@ _lock_fd: Optional[int] = None
 _parent: Optional[str] = None
 
 
-def _owner_is_gone(path: str) -> bool:
+def lock_as_owner(directory: str) -> int:
+  """Marks `directory` as this process's while the returned descriptor is
+  open (an exclusive lock on a file in it; the kernel frees it when the
+  process ends, however it ends)."""
+  fd = os.open(os.path.join(directory, _OWNER_LOCK), os.O_RDWR | os.O_CREAT,
+               0o600)
+  fcntl.flock(fd, fcntl.LOCK_EX)
+  return fd
+
+
+def owner_is_gone(path: str) -> bool:
+  """Whether the process that made `path` (`lock_as_owner`) has ended."""
   lock = os.path.join(path, _OWNER_LOCK)
   try:
     fd = os.open(lock, os.O_RDONLY)
@@ -61,7 +72,7 @@ def remove_stale(parent: str) -> int:
     path = os.path.join(parent, name)
     if (name.startswith(PREFIX) and path != _directory and
         os.path.isdir(path) and not os.path.islink(path) and
-        _owner_is_gone(path)):
+        owner_is_gone(path)):
       shutil.rmtree(path, ignore_errors=True)
       removed += 1
   return removed
@@ -83,11 +94,9 @@ def use_private_temp_dir() -> Optional[str]:
                  removed, parent)
   try:
     directory = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
-    lock_fd = os.open(os.path.join(directory, _OWNER_LOCK),
-                      os.O_RDWR | os.O_CREAT, 0o600)
+    lock_fd = lock_as_owner(directory)
   except OSError:
     return None
-  fcntl.flock(lock_fd, fcntl.LOCK_EX)
   _directory, _lock_fd, _parent = directory, lock_fd, parent
   tempfile.tempdir = directory
   atexit.register(remove_private_temp_dir)

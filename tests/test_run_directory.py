@@ -526,21 +526,21 @@ def test_a_killed_exports_staging_goes_and_its_old_export_comes_back(
   target = tmp_path / 'mymodel'
   export_lib.export_saved_model(task, weights, str(target))
   exported = lib.tree_digest(target)
-  ended = subprocess.Popen(['true'])
-  ended.wait()
-  alive = subprocess.Popen(['sleep', '600'])
+  # Killed between moving the old export aside and the new one in: its
+  # owner lock is free.
+  killed = tmp_path / 'mymodel.k2_x9qab.staging'
+  killed.mkdir()
+  os.close(private_temp.lock_as_owner(str(killed)))
+  os.rename(target, killed / 'old')
+  (killed / 'new').mkdir()
+  # An export still running (its lock held), and a name that is not an
+  # export's.
+  running = tmp_path / 'mymodel.abcdefgh.staging'
+  running.mkdir()
+  running_lock = private_temp.lock_as_owner(str(running))
+  users = tmp_path / 'mymodel.x.staging'
+  users.mkdir()
   try:
-    # Killed between moving the old export aside and the new one in.
-    killed = tmp_path / f'mymodel.{ended.pid}.k2_x9qab.staging'
-    killed.mkdir()
-    os.rename(target, killed / 'old')
-    (killed / 'new').mkdir()
-    # An export still running, and a name that is not an export's.
-    running = tmp_path / f'mymodel.{alive.pid}.abcdefgh.staging'
-    running.mkdir()
-    users = tmp_path / f'mymodel.{ended.pid}.staging'
-    users.mkdir()
-
     def fail_to_write(*args, **kwargs):
       raise OSError(errno.ENOSPC, 'No space left on device', str(tmp_path))
 
@@ -555,8 +555,7 @@ def test_a_killed_exports_staging_goes_and_its_old_export_comes_back(
     assert sorted(os.listdir(tmp_path)) == sorted(
         ['mymodel', running.name, users.name])
   finally:
-    alive.kill()
-    alive.wait()
+    os.close(running_lock)
 
 
 # -- private temp directories ----------------------------------------------
