@@ -138,9 +138,7 @@ def recover_abandoned_staging(export_dir: str) -> None:
     if (not staging_name.fullmatch(entry) or
         not private_temp.owner_is_gone(staging)):
       continue
-    retired = os.path.join(staging, 'old')
-    if os.path.isdir(retired) and not os.path.lexists(export_dir):
-      os.rename(retired, export_dir)
+    run_directory.put_back_retired_export(staging, export_dir)
     shutil.rmtree(staging)
 
 

@@ -61,9 +61,10 @@ RESULT_NEUTRAL_KEYS = frozenset({
 # writes (`<name>_temp<digits>`), this pipeline's staging files and an
 # export's staging directory (`<name>.<8 random characters>.staging`,
 # `tempfile.mkdtemp`). Only these: a user's file of another name is kept.
+_EXPORT_STAGING = re.compile(r'^(.+)\.[a-z0-9_]{8}\.staging$')
 _CUT_OFF_WRITE = re.compile(
-    r'^((hparams\.json|metrics\.csv)\.staging|metrics\.csv_temp\d+'
-    r'|.+\.[a-z0-9_]{8}\.staging)$')
+    r'^((hparams\.json|metrics\.csv)\.staging|metrics\.csv_temp\d+)$|'
+    + _EXPORT_STAGING.pattern)
 _CUT_OFF_CHECKPOINT = re.compile(r'^.+_temp\d+$')
 _CUT_OFF_EVENTS = re.compile(r'^events\.out\.tfevents\..+\.staging$')
 
@@ -382,10 +383,25 @@ def remove_cut_off_writes(run_dir: str) -> None:
       if not cut_off.match(name) or os.path.islink(path):
         continue
       if os.path.isdir(path):
+        export_target = _EXPORT_STAGING.match(name)
+        if export_target:
+          put_back_retired_export(path, os.path.join(place,
+                                                     export_target.group(1)))
         shutil.rmtree(path)
       else:
         os.remove(path)
       logging.warning('Removed %s, left by a write that was cut off', path)
+
+
+def put_back_retired_export(staging: str, export_dir: str) -> None:
+  """An export killed between moving the previous export aside (into its
+  staging directory's `old/`) and the new one in left `export_dir` missing:
+  the previous export goes back."""
+  retired = os.path.join(staging, 'old')
+  if os.path.isdir(retired) and not os.path.lexists(export_dir):
+    os.rename(retired, export_dir)
+    logging.warning('Put back the previous export %s, which an export cut off '
+                    'had moved aside', export_dir)
 
 
 def write_hparams(run_dir: str, hparams: dict) -> None:

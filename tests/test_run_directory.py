@@ -363,7 +363,15 @@ def test_cut_off_writes_are_removed(tmp_path):
   (tmp_path / 'metrics.csv_temp5678').write_text('x')
   (tmp_path / 'hparams.json.staging').write_text('x')
   (tmp_path / 'metrics.csv.staging').write_text('x')
+  # An export killed with its previous export moved aside: that goes back.
   (tmp_path / 'export.k2_x9qab.staging' / 'old').mkdir(parents=True)
+  (tmp_path / 'export.k2_x9qab.staging' / 'old' / 'saved_model.pb').write_text(
+      'previous')
+  (tmp_path / 'export.k2_x9qab.staging' / 'new').mkdir()
+  # One whose target is there (killed before or after the swap): it goes.
+  (tmp_path / 'final.abcdefgh.staging' / 'old').mkdir(parents=True)
+  (tmp_path / 'final').mkdir()
+  (tmp_path / 'final' / 'saved_model.pb').write_text('current')
   (tmp_path / 'tensorboard' / 'train').mkdir(parents=True)
   (tmp_path / 'tensorboard' / 'train' /
    'events.out.tfevents.1.host.staging').write_text('x')
@@ -376,7 +384,10 @@ def test_cut_off_writes_are_removed(tmp_path):
   (tmp_path / 'checkpoints' / 'notes.staging').write_text('mine')
   run_directory.remove_cut_off_writes(str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == sorted(
-      ['checkpoints', 'metrics.csv', 'tensorboard', *users])
+      ['checkpoints', 'metrics.csv', 'tensorboard', 'export', 'final', *users])
+  assert (tmp_path / 'export' / 'saved_model.pb').read_text() == 'previous'
+  assert os.listdir(tmp_path / 'final') == ['saved_model.pb']
+  assert (tmp_path / 'final' / 'saved_model.pb').read_text() == 'current'
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['notes.staging',
                                                           'round_4']
   assert sorted(os.listdir(tmp_path / 'tensorboard')) == ['plot.staging',
