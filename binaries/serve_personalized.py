@@ -6,11 +6,12 @@
 `inputs.npy` holds a batch of the task's serving input (e.g. movie ids for
 movielens_ratings), finite values only. Prints the predictions as JSON. A
 client without a stored local model gets the initial one (the global
-prediction plus the initial local model's).
+prediction plus the initial local model's), with a note on stderr.
 """
 
 import json
 import os
+import sys
 
 from absl import flags
 import numpy as np
@@ -41,7 +42,7 @@ def main(argv):
   from tff_algos.algorithms.fedres import export as fedres_export  # pylint: disable=g-import-not-at-top
   server = fedres_export.PersonalizedServer(FLAGS.export_dir)
   try:
-    predictions = server(FLAGS.client_id, inputs)
+    predictions, own_model = server.predict(FLAGS.client_id, inputs)
   except fedres_export.InputError as e:
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy}: {e}') from e
   if not all(np.all(np.isfinite(value)) for value in predictions.values()):
@@ -49,6 +50,11 @@ def main(argv):
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy}: the predictions for '
                      f'client {FLAGS.client_id!r} are not finite (NaN or '
                      'inf); the inputs are too large for the model')
+  if not own_model:
+    # A mistyped id would otherwise pass for a client's own predictions.
+    print(f'note: {FLAGS.export_dir} has no local model of client '
+          f'{FLAGS.client_id!r} (not trained, or never sampled): these are '
+          'the predictions of the initial local model', file=sys.stderr)
   print(json.dumps({name: value.tolist()
                     for name, value in predictions.items()},
                    allow_nan=False))

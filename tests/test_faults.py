@@ -349,6 +349,15 @@ def test_export_of_a_fedres_run_keeps_its_personal_models(fedres, tmp_path):
   assert served.returncode == 0, served.stderr[-3000:]
   predictions = json.loads(served.stdout)
   assert np.shape(next(iter(predictions.values())))[0] == 3
+  assert 'note:' not in served.stderr
+  # A client without a local model: the initial one's predictions, said so.
+  unknown = lib.run_binary(
+      'binaries.serve_personalized', f'--export_dir={run}/export',
+      '--client_id=no such client', f'--inputs_npy={tmp_path}/inputs.npy')
+  assert unknown.returncode == 0, unknown.stderr[-3000:]
+  assert json.loads(unknown.stdout).keys() == predictions.keys()
+  assert ("has no local model of client 'no such client'"
+          in unknown.stderr), unknown.stderr[-3000:]
 
 
 def test_evaluate_of_a_fedres_run_reports_its_personalized_metrics(

@@ -238,9 +238,15 @@ class PersonalizedServer:
     A client without a stored local model gets the initial one, i.e. the
     global model's prediction plus the initial local model's.
     """
+    return self.predict(client_id, inputs)[0]
+
+  def predict(self, client_id: str,
+              inputs) -> tuple[Mapping[str, np.ndarray], bool]:
+    """(`__call__`'s predictions, whether the client has a stored local
+    model rather than the initial one)."""
     self.check_inputs(inputs)
-    local_weights, _ = local_weights_for(self._export_dir, client_id,
-                                         self._local_size)
+    local_weights, own_model = local_weights_for(
+        self._export_dir, client_id, self._local_size)
     try:
       outputs = self._signature(**{
           self._input_name: tf.constant(inputs, self._input_spec.dtype),
@@ -249,7 +255,7 @@ class PersonalizedServer:
       # E.g. a movie id beyond the embedding table: TF's traceback.
       raise InputError(f'the model cannot take these inputs ('
                        f'{_op_error_detail(e)})') from e
-    return {name: value.numpy() for name, value in outputs.items()}
+    return {name: value.numpy() for name, value in outputs.items()}, own_model
 
 
 def serve_personalized(export_dir: str, client_id: str,
