@@ -19,8 +19,9 @@ layers" ([FedPVR]) are a small part of the model: the 8x8 image, conv 3x3
 (16, ReLU), conv 3x3 (32, ReLU), 2x2 max pooling, dense 64 (ReLU), dense 10
 (38,282 parameters, of which the output layer has 650).
 `--l2_regularization=lam` adds (lam / 2) * ||kernel||^2 of every Dense and
-conv layer to the training loss (biases are not penalized), making logistic
-regression
+conv layer to the training loss and to evaluation's (biases are not penalized;
+`train/loss`, tff.learning's metric of the batches' loss, leaves it out), making
+logistic regression
 strongly convex with finite client optima: the regime of SCAFFOLD's client-drift
 analysis (docs/scaffold.md shows why FedAvg's slow-down with K needs it here).
 Evaluation: the test images (`eval/...`) and the whole training set

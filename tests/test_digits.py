@@ -143,6 +143,11 @@ def test_l2_regularization_adds_half_lambda_squared_kernels_to_both_losses(
   # What every algorithm differentiates (tff.learning's forward pass) ...
   train_loss = float(learning_model.forward_pass((features, labels)).loss)
   np.testing.assert_allclose(train_loss, cross_entropy + penalty, rtol=1e-5)
+  # The train/loss metric is tff.learning's, of the data loss alone (the
+  # docs say so).
+  total, weight = learning_model.report_local_unfinalized_metrics()['loss']
+  np.testing.assert_allclose(float(total) / float(weight), cross_entropy,
+                             rtol=1e-5)
   # ... and what evaluation reports as eval_train/loss (Keras' evaluate).
   keras_model = task.keras_model_fn()
   keras_model.set_weights([v.numpy()
