@@ -188,11 +188,27 @@ def _settings_fields() -> dict[str, dataclasses.Field]:
   for name in algorithm_registry.NAMES:
     for field in dataclasses.fields(algorithm_registry.settings_class(name)):
       seen = fields.get(field.name)
-      if seen is not None and (seen.default, seen.type, seen.metadata) != (
-          field.default, field.type, field.metadata):
+      if seen is not None and (
+          (seen.default, seen.type, seen.metadata) != (
+              field.default, field.type, field.metadata) and
+          not (_default_per_algorithm(field) and
+               (seen.type, seen.metadata) == (field.type, field.metadata))):
         raise TypeError(f'setting {field.name} differs between algorithms')
       fields[field.name] = field
   return fields
+
+
+def _default_per_algorithm(field: dataclasses.Field) -> bool:
+  return field.metadata.get(settings_lib.DEFAULT_PER_ALGORITHM, False)
+
+
+def _algorithm_defaults(setting: str) -> str:
+  """'fedavg: x, scaffold: y, ...' of a setting whose default is each
+  algorithm's."""
+  return ', '.join(
+      f'{name}: {field.default}' for name in algorithm_registry.NAMES
+      for field in dataclasses.fields(algorithm_registry.settings_class(name))
+      if field.name == setting)
 
 
 def _define_setting_flag(field: dataclasses.Field) -> None:
@@ -201,7 +217,11 @@ def _define_setting_flag(field: dataclasses.Field) -> None:
     kind, = [t for t in typing.get_args(kind) if t is not type(None)]
   define = {bool: flags.DEFINE_boolean, int: flags.DEFINE_integer,
             float: flags.DEFINE_float, str: flags.DEFINE_string}[kind]
-  define(field.name, field.default, field.metadata['help'])
+  if _default_per_algorithm(field):
+    define(field.name, None, f'{field.metadata["help"]} Default: the '
+           f'algorithm\'s ({_algorithm_defaults(field.name)}).')
+  else:
+    define(field.name, field.default, field.metadata['help'])
 
 
 _SETTINGS_FIELDS = _settings_fields()
@@ -524,11 +544,18 @@ def algorithm_settings(algorithm: str):
       f'algorithm={algorithm}',
       tuple(f.name for f in dataclasses.fields(settings_class)),
       ALGORITHM_FLAGS)
+  fields = dataclasses.fields(settings_class)
   try:
-    return settings_class(**{f.name: FLAGS[f.name].value
-                             for f in dataclasses.fields(settings_class)})
+    settings = settings_class(**{
+        f.name: FLAGS[f.name].value for f in fields
+        if not (_default_per_algorithm(f) and FLAGS[f.name].value is None)})
   except settings_lib.SettingError as e:
     raise UsageError(f'--{e}') from e
+  for field in fields:
+    if _default_per_algorithm(field):
+      # hparams.json records the value the run used.
+      FLAGS[field.name].value = getattr(settings, field.name)
+  return settings
 
 
 def aggregator_settings(task: task_base.Task) -> factories.AggregatorSettings:

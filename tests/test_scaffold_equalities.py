@@ -4,9 +4,11 @@ On the linear task of scaffold_testlib (unequal clients, 2 of 4 sampled per
 round, eta_s = 0.5), through `pipeline.driver.train`, comparing the final
 model weights and metrics.csv's train/loss (1e-6 relative):
   fedpvr --pvr_last_layers=0 == fedavg. The fedavg baseline is tff.learning's
-    build_weighted_fed_avg, which weights clients by examples processed; our
-    default `--client_weighting=num_examples` does the same, and the clients
-    here process different numbers of examples, so the weighting is compared.
+    build_weighted_fed_avg, which by default (as [FedAvg]) weights clients by
+    examples processed; fedpvr and scaffold default to their papers' uniform
+    mean, so they are run with `--client_weighting=num_examples` here, and
+    the clients process different numbers of examples, so the weighting is
+    compared.
   fedpvr with every variable masked == scaffold Option II.
   scaffold with c and every c_i forced to zero each round == fedavg.
 """
@@ -31,7 +33,8 @@ def run(tmp_path_factory):
 
 def test_fedpvr_without_mask_equals_fedavg(run):
   fedavg = run('fedavg', 'fedavg')
-  fedpvr = run('fedpvr_L0', 'fedpvr', pvr_last_layers=0)
+  fedpvr = run('fedpvr_L0', 'fedpvr', pvr_last_layers=0,
+               client_weighting='num_examples')
   lib.assert_equal_runs(fedpvr, fedavg)
   assert fedpvr.result.server_state['control_variate'] == []
   lib.assert_close_to_reference(fedavg, lib.reference_run(
@@ -78,7 +81,7 @@ def with_control_variates_zeroed(definition):
 
 def test_scaffold_with_zero_control_variates_equals_fedavg(run):
   fedavg = run('fedavg', 'fedavg')
-  zeroed = run('scaffold_zeroed', 'scaffold',
+  zeroed = run('scaffold_zeroed', 'scaffold', client_weighting='num_examples',
                wrap=with_control_variates_zeroed)
   lib.assert_equal_runs(zeroed, fedavg)
   # Without forcing, SCAFFOLD departs from FedAvg after the first round.

@@ -34,16 +34,23 @@ def test_reference_rounds_sample_overlapping_clients():
   assert plans[0] & plans[1] and plans[0] != plans[1]
 
 
-def test_scaffold_option2_matches_hand_computation(run):
-  result = run('scaffold2', 'scaffold', scaffold_option=2)
-  reference = lib.reference_run((True, True), option=2,
-                                weighting='num_examples')
+@pytest.mark.parametrize('weighting', [None, 'num_examples'])
+def test_scaffold_option2_matches_hand_computation(run, weighting):
+  # Default (None): the paper's uniform mean of the model deltas.
+  result = run(f'scaffold2_{weighting}', 'scaffold', scaffold_option=2,
+               **({'client_weighting': weighting} if weighting else {}))
+  weighting = weighting or 'uniform'
+  reference = lib.reference_run((True, True), option=2, weighting=weighting)
   lib.assert_close_to_reference(result, reference)
   # The control variates are really in play (else this would test FedAvg).
   assert max(np.abs(c).max() for c in reference.server_cv) > 0.05
-  fedavg = lib.reference_run((False, False), option=2,
-                             weighting='num_examples')
+  fedavg = lib.reference_run((False, False), option=2, weighting=weighting)
   assert not np.allclose(reference.weights[0], fedavg.weights[0], rtol=1e-3)
+  # The clients' sizes differ, so the two weightings give different models.
+  other = lib.reference_run(
+      (True, True), option=2,
+      weighting={'uniform': 'num_examples'}.get(weighting, 'uniform'))
+  assert not np.allclose(reference.weights[0], other.weights[0], rtol=1e-3)
 
 
 def test_scaffold_option1_uniform_matches_hand_computation(run):
@@ -60,18 +67,17 @@ def test_fedpvr_partial_mask_matches_hand_computation(run):
   # takes plain SGD steps, the bias SCAFFOLD's corrected steps.
   result = run('fedpvr_bias', 'fedpvr', pvr_start_variable=1,
                drift_diversity=True)
-  reference = lib.reference_run((False, True), option=2,
-                                weighting='num_examples')
+  reference = lib.reference_run((False, True), option=2, weighting='uniform')
   lib.assert_close_to_reference(result, reference)
   assert [np.shape(c) for c in result.result.server_state[
       'control_variate']] == [(1,)]
   for other_mask in ((True, True), (False, False)):
-    other = lib.reference_run(other_mask, option=2, weighting='num_examples')
+    other = lib.reference_run(other_mask, option=2, weighting='uniform')
     assert not np.allclose(reference.weights[0], other.weights[0], rtol=1e-4)
 
 
 # Both options' c_i and both runtimes: 2 of the 4 unequal clients a round
-# (K_i = 2, 3, 1, 3 steps of one epoch), clients weighted by examples.
+# (K_i = 2, 3, 1, 3 steps of one epoch), clients weighted uniformly.
 @pytest.mark.parametrize('algorithm,overrides', [
     ('scaffold', {}),
     ('scaffold', {'scaffold_option': 1}),
@@ -101,8 +107,7 @@ def test_server_control_variate_is_the_mean_of_all_client_control_variates(
 def test_fedpvr_drift_diversity_and_communication_metrics(run):
   result = run('fedpvr_bias', 'fedpvr', pvr_start_variable=1,
                drift_diversity=True)
-  reference = lib.reference_run((False, True), option=2,
-                                weighting='num_examples')
+  reference = lib.reference_run((False, True), option=2, weighting='uniform')
   # The linear model is one layer (kernel and bias).
   np.testing.assert_allclose(result.columns['drift_diversity/layer_0'],
                              reference.drift_diversity, rtol=1e-5)

@@ -1,8 +1,9 @@
 """SCAFFOLD and FedPVR with clients that send nothing usable, as FedAvg.
 
-A round whose sampled clients all have weight 0 (no data) has a 0 / 0 mean
-update: the model and the server optimizer state stay, as tff.learning's
-FedAvg keeps them. A client whose update is not finite (it diverged) is
+A round whose sampled clients all have weight 0 (no data, with
+`--client_weighting=num_examples`) has a 0 / 0 mean update: the model and the
+server optimizer state stay, as tff.learning's FedAvg keeps them (uniformly
+weighted, such clients count with a zero delta: a zero mean update). A client whose update is not finite (it diverged) is
 dropped with weight 0, keeps its c_i and adds nothing to c or to the
 metrics. Before, both turned the model into NaN for good.
 """
@@ -71,7 +72,8 @@ def _assert_all_equal(a, b):
 def test_a_round_without_data_leaves_the_server_state(task, tmp_path, runtime,
                                                       name, server_optimizer):
   process, _ = _process(name, task, runtime, tmp_path,
-                        server_optimizer=server_optimizer)
+                        server_optimizer=server_optimizer,
+                        client_weighting='num_examples')
   state = process.initialize()
   trained, _ = round_testing.run_round(process, state, ['A'], round_num=1,
                                        versions=[-1])
@@ -113,13 +115,15 @@ def test_a_diverged_client_is_dropped_and_keeps_its_control_variate(
 
 
 @pytest.mark.parametrize('runtime', ['tff', 'native'])
+@pytest.mark.parametrize('weighting', ['num_examples', 'uniform'])
 def test_with_a_diverged_client_the_first_round_is_still_fedavgs(
-    task, tmp_path, runtime):
+    task, tmp_path, runtime, weighting):
   # c = c_i = 0 in round 1: SCAFFOLD's x is FedAvg's, bit for bit, also
   # when a client is dropped.
   results = []
   for name in ('scaffold', 'fedavg'):
-    process, _ = _process(name, task, runtime, tmp_path / name)
+    process, _ = _process(name, task, runtime, tmp_path / name,
+                          client_weighting=weighting)
     state, metrics = round_testing.run_round(
         process, process.initialize(), ['A', 'N', 'E'],
         versions=[-1] * 3 if name == 'scaffold' else None)

@@ -32,18 +32,24 @@ class SettingError(ValueError):
 
 
 POSITIVE = 'positive'
+DEFAULT_PER_ALGORITHM = 'default_per_algorithm'
 NON_NEGATIVE = 'non_negative'
 
 
 def setting(default: Any, help_text: str,
             choices: Optional[Sequence[Any]] = None,
-            bound: Optional[str] = None, role: str = '') -> Any:
+            bound: Optional[str] = None, role: str = '',
+            default_per_algorithm: bool = False) -> Any:
   """A settings field: its default, flag help and allowed values.
 
   `bound` is POSITIVE or NON_NEGATIVE for numbers that must be finite and
-  > 0 or >= 0; `role` says what the value is in its bound's error.
+  > 0 or >= 0; `role` says what the value is in its bound's error. A field
+  several algorithms share has one default for all of them, unless
+  `default_per_algorithm` (its flag then defaults to each algorithm's).
   """
   metadata = {'help': help_text}
+  if default_per_algorithm:
+    metadata[DEFAULT_PER_ALGORITHM] = True
   if role:
     metadata['role'] = role
   if choices is not None:
@@ -73,10 +79,12 @@ def server_learning_rate():
   return setting(1.0, 'Server learning rate eta_s.', bound=POSITIVE)
 
 
-def client_weighting():
-  return setting('num_examples', 'Weights of clients in the mean of the '
+def client_weighting(paper_default: str):
+  """The weights of the model updates' mean; each algorithm defaults to its
+  paper's ([FedAvg]: examples, [SCAFFOLD] and [FedPVR]: uniform)."""
+  return setting(paper_default, 'Weights of clients in the mean of the '
                  'model updates: examples processed or uniform.',
-                 CLIENT_WEIGHTINGS)
+                 CLIENT_WEIGHTINGS, default_per_algorithm=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,8 @@ ModelWeights = tff.learning.models.ModelWeights
 
 @dataclasses.dataclass(frozen=True)
 class FedAvgSettings(settings_lib.ClientOptimizerSettings):
-  client_weighting: str = settings_lib.client_weighting()
+  # [FedAvg] Alg. 1 weights client k by n_k.
+  client_weighting: str = settings_lib.client_weighting('num_examples')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,8 @@ from tff_algos.algorithms.scaffold import math
 
 @dataclasses.dataclass(frozen=True)
 class ScaffoldSettings(settings_lib.SgdClientSettings):
-  client_weighting: str = settings_lib.client_weighting()
+  # [SCAFFOLD] Alg. 1 line 16 and [FedPVR] eq. 8: the uniform mean over S.
+  client_weighting: str = settings_lib.client_weighting('uniform')
   scaffold_option: int = settings_lib.setting(
       2, 'SCAFFOLD control variate option: 1 (c_i+ = g_i(x), one extra pass) '
       'or 2 (from the local steps).', math.OPTIONS)
