@@ -18,6 +18,7 @@ at the next start of any binary).
 """
 
 import argparse
+import atexit
 import logging as logging_lib
 import os
 import re
@@ -41,7 +42,7 @@ from pipeline.errors import UsageError
 
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it.
+EXIT_INTERRUPTED = interrupts.EXIT_INTERRUPTED
 
 # How TensorFlow (gfile, SavedModel) and SQLite report the same faults.
 _ENVIRONMENT_MESSAGES = ('No space left on device', 'Read-only file system',
@@ -208,6 +209,21 @@ def _interrupt_once(signum, frame):
   interrupts.interrupt()
 
 
+def exit_without_finalizing(status: int) -> None:
+  """Exits as `sys.exit` would (atexit hooks, flushed output), without the
+  interpreter's finalization. A thread the error or Ctrl-C left inside a
+  TF/TFF call (the computation of a round cut short) takes the GIL back
+  while Python finalizes; Python then ends it with a forced unwind, which
+  TF's C++ catches without rethrowing, and the process aborted (status 134,
+  "FATAL: exception not rethrown", a thread dump) after the error line."""
+  try:
+    atexit._run_exitfuncs()  # pylint: disable=protected-access
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
+
+
 def run(main, allow_positional_args: bool = False) -> None:
   tff_runtime.install_shutdown_hooks()
   private_temp.use_private_temp_dir()
@@ -217,7 +233,7 @@ def run(main, allow_positional_args: bool = False) -> None:
   def fail(message: str, status: int):
     print(f'error: {message}', file=sys.stderr)
     tff_runtime.shutdown_workers()
-    sys.exit(status)
+    exit_without_finalizing(status)
 
   def guarded_main(argv):
     logging_lib.getLogger('tensorflow').addFilter(_UnusedAssertionFilter())
@@ -242,8 +258,7 @@ def run(main, allow_positional_args: bool = False) -> None:
       # "Exception ignored ..." and "never awaited"; nothing to act on.
       sys.unraisablehook = lambda unraisable: None
       warnings.simplefilter('ignore')
-      fail('interrupted; re-run the same command to go on (what was '
-           'written before is kept)', EXIT_INTERRUPTED)
+      fail(interrupts.INTERRUPTED, EXIT_INTERRUPTED)
     except (NotADirectoryError, IsADirectoryError) as e:
       # A path given through a file, or a file path that is a directory.
       fail(f'{e.filename}: {e.strerror}', EXIT_USAGE)

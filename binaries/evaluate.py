@@ -5,7 +5,9 @@
       [--conformal [--conformal_alphas=0.05,0.1] [--calibration_fraction=0.5]]
 
 Prints the task's evaluation metrics as JSON and writes them to
-<run>/evaluation_round_<N>.json (or <export_dir>/../evaluation_export.json).
+<run>/evaluation_round_<N>.json (or, for an export, beside it:
+<export_dir>/../evaluation_<export_dir's name>.json, i.e.
+<run>/evaluation_export.json for the run's own export).
 A FedRes checkpoint's report also holds eval_personalized/* (each client's
 global model plus its own theta_i of that round), as training logs them;
 an export is evaluated as the global model only.
@@ -157,7 +159,11 @@ def main(argv):
   checkpoint = None
   if FLAGS.export_dir:
     weights = export_lib.load_model_weights(FLAGS.export_dir, task)
-    output = os.path.join(restore.run_dir(), 'evaluation_export.json')
+    # Beside the export, named after it: the run's own export/ gives
+    # <run>/evaluation_export.json, another run's export goes to that run.
+    export_dir = os.path.normpath(os.path.abspath(FLAGS.export_dir))
+    output = os.path.join(os.path.dirname(export_dir),
+                          f'evaluation_{os.path.basename(export_dir)}.json')
     source = {'export_dir': FLAGS.export_dir}
   else:
     checkpoint = restore.load_checkpoint(task)

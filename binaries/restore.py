@@ -7,6 +7,7 @@ exactly as trained.
 """
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -45,7 +46,8 @@ def _parse_stored(name: str, value: Any, path: str) -> Any:
 
 
 def load_run_flags() -> None:
-  """Fills flags the user did not set from the run's hparams.json."""
+  """Fills flags the user did not set from the run's hparams.json; another
+  value of one that changes results is a UsageError."""
   directory = run_dir()
   path = os.path.join(directory, run_directory.HPARAMS_FILE)
   if not os.path.lexists(path):
@@ -61,6 +63,19 @@ def load_run_flags() -> None:
     if not FLAGS[name].present:
       FLAGS[name].value = hparams[name]
   flags_lib.require_known_names(path)
+  # Another value of a flag that shapes the model or data is a checkpoint
+  # "corrupted or incompatible" at best, or a silently different task.
+  differing = []
+  for name, value in hparams.items():
+    if (name in known and FLAGS[name].present and
+        name not in run_directory.RESULT_NEUTRAL_KEYS and
+        FLAGS[name].value != _parse_stored(name, value, path)):
+      differing.append(f'--{name} (run: {json.dumps(value)}, now: '
+                       f'{json.dumps(FLAGS[name].value)})')
+  if differing:
+    raise UsageError(f'{directory} was trained with other values of '
+                     f'{", ".join(differing)}; leave them out (the run\'s '
+                     'hparams.json gives them)')
   for name, value in hparams.items():
     if name in known and not FLAGS[name].present:
       FLAGS[name].value = _parse_stored(name, value, path)
@@ -91,8 +106,11 @@ class Checkpoint:
 def load_checkpoint(task) -> Checkpoint:
   """The chosen checkpoint (--checkpoint_round, default the latest)."""
   definition = flags_lib.build_algorithm(task)
-  checkpoints = driver.CheckpointManager(
-      os.path.join(run_dir(), run_directory.CHECKPOINTS_DIR), keep=0)
+  checkpoint_dir = os.path.join(run_dir(), run_directory.CHECKPOINTS_DIR)
+  if not os.path.lexists(checkpoint_dir):
+    # TFF's manager would make it: a refused command left it behind.
+    raise UsageError(f'{run_dir()}/checkpoints has no checkpoint')
+  checkpoints = driver.CheckpointManager(checkpoint_dir, keep=0)
   rounds = checkpoints.rounds()
   if not rounds:
     raise UsageError(f'{run_dir()}/checkpoints has no checkpoint')

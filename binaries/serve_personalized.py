@@ -28,6 +28,9 @@ flags.DEFINE_string('inputs_npy', None, '.npy file with a batch of inputs.')
 def main(argv):
   del argv
   app.require_flags('export_dir', 'client_id', 'inputs_npy')
+  if not os.path.isdir(FLAGS.export_dir):
+    raise UsageError(f'--export_dir={FLAGS.export_dir} is not a directory '
+                     '(it should be the export of a FedRes run)')
   if os.path.isdir(FLAGS.inputs_npy):
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} is a directory, not a '
                      '.npy file')

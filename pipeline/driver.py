@@ -245,6 +245,13 @@ class CheckpointManager:
       state = interrupts.run_coroutine(
           self._manager.load(round_num, structure))
     except Exception as e:  # pylint: disable=broad-except
+      if not os.path.lexists(path):
+        # A trainer of the same run dropped it (it keeps the newest ones);
+        # evaluate reads checkpoints without the run's lock.
+        raise UsageError(f'checkpoint {path} was removed while it was read: '
+                         'the run is still training and keeps only its '
+                         'newest checkpoints; re-run, or pass a kept '
+                         '--checkpoint_round') from e
       raise incompatible(type(e).__name__) from e
     # TFF checks only the nesting: a model of another task with as many
     # variables loaded, then failed (a traceback) where it was used.
@@ -568,8 +575,6 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
     export_lib.check_replaceable(os.path.join(run_dir, export_lib.EXPORT_DIR))
 
   formats = state_format(definition, config.state_dir)
-  if formats:
-    mark_store_directory(config.state_dir, run_dir)
   process = compose_process(definition, task, config.runtime, formats,
                             model_aggregator, config.batched_cohorts)
   num_indexed = task.num_train_clients if formats else 0
@@ -586,6 +591,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
     start_round = 0
     server_state = initial_state
     if keeper:
+      mark_store_directory(config.state_dir, run_dir)
       keeper.start(0, None)
     run_directory.finish_resume(run_dir, resume)
     checkpoints.save(0, server_state, keeper.index.versions if keeper else
@@ -596,6 +602,9 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
     checkpoints.drop_unkept()  # Before the keeper collects unnamed states.
     if keeper:
       keeper.start(start_round, loaded['client_versions'])
+      # Once its files are found: a resume refused for a missing store
+      # makes none (the user would restore it inside the new one).
+      mark_store_directory(config.state_dir, run_dir)
     run_directory.finish_resume(run_dir, resume)
     logging.info('Resuming %s from round %d', run_dir, start_round)
 

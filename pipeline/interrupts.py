@@ -13,6 +13,15 @@ inside it.
 
 import asyncio
 import contextlib
+import os
+import signal
+import sys
+
+# What an interrupted binary prints (after "error: ") and its status, as a
+# shell reports a SIGINT.
+INTERRUPTED = ('interrupted; re-run the same command to go on (what was '
+               'written before is kept)')
+EXIT_INTERRUPTED = 130
 
 _depth = 0
 _pending = False
@@ -46,3 +55,24 @@ def run_coroutine(coroutine):
   """`asyncio.run(coroutine)` with Ctrl-C held back until it is done."""
   with deferred():
     return asyncio.run(coroutine)
+
+
+def exit_at_once_while_starting() -> None:
+  """Ctrl-C while a binary imports TensorFlow and TFF (seconds; nothing is
+  written yet) ends it with the binary's one error line and status 130, not
+  an import traceback, until its `app.run` installs its own handler. Only
+  for `python -m binaries.<name>` (argv[0] is '-m' while its package is
+  imported): a program that imports the package, e.g. pytest, keeps its
+  own Ctrl-C."""
+  if sys.argv[:1] != ['-m']:
+    return
+  # The import of TensorFlow captures file descriptor 2 for a while
+  # (tf_logs.stderr_without); the line goes to the real stderr.
+  stderr = os.dup(2)
+
+  def exit_now(signum, frame):
+    del signum, frame
+    os.write(stderr, f'error: {INTERRUPTED}\n'.encode())
+    os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
+
+  signal.signal(signal.SIGINT, exit_now)

@@ -15,7 +15,6 @@ Requests are JSON lines on stdin: {"argv": [...], "stdout": path,
 -signal}. `PreloadedBinary` is the client.
 """
 
-import atexit
 import importlib
 import json
 import os
@@ -45,12 +44,8 @@ def _child(module, argv: list[str], stdout: str, stderr: str) -> None:
     import traceback  # pylint: disable=g-import-not-at-top
     traceback.print_exc()
     status = 1
-  try:
-    atexit._run_exitfuncs()  # pylint: disable=protected-access
-  finally:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # pylint: disable=protected-access
+  from binaries import app  # pylint: disable=g-import-not-at-top
+  app.exit_without_finalizing(status)
 
 
 def serve(module_name: str) -> None:

@@ -124,6 +124,13 @@ def remove(relative):
   return setup
 
 
+def without_checkpoints(p):
+  # A run with its flags only: no checkpoint, and no lock file either.
+  shutil.rmtree(os.path.join(p.base, 'checkpoints'))
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(os.path.join(p.base, '.lock'))
+
+
 def checkpoints_as_file(p):
   path = os.path.join(p.base, 'checkpoints')
   shutil.rmtree(path)
@@ -131,9 +138,9 @@ def checkpoints_as_file(p):
     f.write('not a directory')
 
 
-def edit_hparams(**values):
+def edit_hparams(run='base', **values):
   def setup(p):
-    path = os.path.join(p.base, 'hparams.json')
+    path = os.path.join(p.root, run, 'hparams.json')
     with open(path) as f:
       hparams = json.load(f)
     with open(path, 'w') as f:
@@ -468,6 +475,15 @@ CASES = [
          'allowed: fedavg, fedprox, fedsgd, scaffold, fedpvr, mixed_pt, '
          'mixed_1wgt, mixed_2wgt, fedres_naive, fedres_sgd, fedres_avg',
          setup=edit_hparams(algorithm='foo')),
+    # A checkpoint "corrupted or incompatible ... or delete it", or another
+    # seed's data silently.
+    Case('evaluate_with_another_seed', 'evaluate', of_base('--seed=7'),
+         lambda p: f'{p.base} was trained with other values of --seed (run: '
+         '0, now: 7); leave them out (the run\'s hparams.json gives them)'),
+    Case('export_with_another_task', 'export', of_base('--task=emnist'),
+         lambda p: f'{p.base} was trained with other values of --task (run: '
+         '"digits", now: "emnist"); leave them out (the run\'s hparams.json '
+         'gives them)'),
     Case('evaluate_unknown_algorithm', 'evaluate', of_base('--algorithm=foo'),
          lambda p: "--algorithm='foo' is unknown; allowed: fedavg, fedprox, "
          'fedsgd, scaffold, fedpvr, mixed_pt, mixed_1wgt, mixed_2wgt, '
@@ -489,10 +505,16 @@ CASES = [
     Case('checkpoint_of_another_task', 'evaluate',
          lambda p: ['--experiment_name=fedres', f'--root_output_dir={p.root}',
                     '--task=fedres_toy'],
+         lambda p: f'{p.fedres} was trained with other values of --task '
+         '(run: "fedres_logistic", now: "fedres_toy"); leave them out (the '
+         'run\'s hparams.json gives them)'),
+    Case('checkpoint_of_another_task_in_hparams', 'evaluate',
+         lambda p: ['--experiment_name=fedres', f'--root_output_dir={p.root}'],
          lambda p: f'checkpoint {p.fedres}/checkpoints/round_2 is corrupted or '
          'incompatible with these flags (a tensor of shape [10] where these '
          'flags make [2]); use the flags it was trained with, or delete it '
-         'to resume from an earlier one'),
+         'to resume from an earlier one',
+         setup=edit_hparams('fedres', task='fedres_toy')),
     Case('hparams_wrong_type', 'export', of_base(),
          lambda p: f'{p.base}/hparams.json: seed=\'abc\' is not a valid '
          "--seed (invalid literal for int() with base 10: 'abc')",
@@ -544,16 +566,20 @@ CASES = [
     # An IndexError: conformal sets are over one class per example.
     Case('conformal_on_a_regression_task', 'evaluate',
          lambda p: ['--experiment_name=fedres', f'--root_output_dir={p.root}',
-                    '--task=fedres_toy', '--conformal'],
+                    '--conformal'],
          lambda p: '--conformal needs a classifier of one class per example; '
          '--task=fedres_toy is not one (its loss is QuadraticLinearLoss, not a '
-         'cross-entropy)'),
+         'cross-entropy)', setup=edit_hparams('fedres', task='fedres_toy')),
     Case('serve_wrongly_shaped_input', 'serve_personalized',
          serve('fedres/export'),
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
          '[2, 3, 4] and dtype float64 do not fit the export\'s `features` '
          '(shape [None, 10], dtype float32)', setup=wrongly_shaped_inputs),
     # It "does not exist".
+    Case('serve_missing_export', 'serve_personalized',
+         serve('fedres/no_export'),
+         lambda p: f'--export_dir={p.root}/fedres/no_export is not a '
+         'directory (it should be the export of a FedRes run)'),
     Case('serve_input_a_directory', 'serve_personalized',
          serve('fedres/export', 'fedres'),
          lambda p: f'--inputs_npy={p.root}/fedres is a directory, not a .npy '
@@ -682,6 +708,13 @@ CASES = [
          'file (the store holds only files in round_<r> directories); move it '
          f'out of {p.fedres}/client_states and re-run the same command',
          setup=write('fedres/client_states/round_9', 'mine')),
+    # Both made an empty checkpoints/ (TFF's manager), export a .lock too.
+    Case('evaluate_without_checkpoints', 'evaluate', of_base(),
+         lambda p: f'{p.base}/checkpoints has no checkpoint',
+         setup=without_checkpoints),
+    Case('export_without_checkpoints', 'export', of_base(),
+         lambda p: f'{p.base}/checkpoints has no checkpoint',
+         setup=without_checkpoints),
     Case('read_only_evaluate', 'evaluate', of_base(),
          lambda p: f'{p.base}/evaluation_round_3.json: Read-only file system; '
          f'{RECOVERY}', status=3, during=read_only_root),

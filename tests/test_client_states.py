@@ -351,6 +351,26 @@ def test_missing_or_overwritten_client_states_are_one_clear_error(
   resume_fails('client_states')
 
 
+def test_a_resume_refused_for_a_moved_store_makes_no_new_store(
+    train_binary, tmp_path):
+  """The store directory (--client_state_dir outside the run) was marked as
+  the run's before its files were checked: a refused resume left an empty
+  store with its mark, and the user's restored store went inside it."""
+  store, moved = tmp_path / 'store', tmp_path / 'moved'
+  args = [*_args(tmp_path, 'run'), f'--client_state_dir={store}']
+  first = train_binary(*[a if not a.startswith('--total_rounds=') else
+                         '--total_rounds=2' for a in args])
+  assert first.returncode == 0, first.stderr[-3000:]
+  store.rename(moved)
+  resumed = train_binary(*args)
+  assert resumed.returncode == 2, resumed.stderr[-3000:]
+  assert 'missing or damaged' in resumed.stderr
+  assert not store.exists()
+  moved.rename(store)  # Put back, it resumes.
+  resumed = train_binary(*args)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
 @pytest.mark.parametrize('leaf_dtype', [np.int64, np.float32],
                          ids=['mixed_dtypes', 'one_dtype'])
 def test_overwritten_or_truncated_state_files_are_found(tmp_path,

@@ -230,6 +230,48 @@ def test_a_second_ctrl_c_during_the_clean_up_is_ignored(tmp_path):
       'written before is kept)'], stderr[-3000:]
 
 
+INTERRUPTED_LINE = ('error: interrupted; re-run the same command to go on '
+                    '(what was written before is kept)')
+
+
+@pytest.mark.time_limit(600)
+def test_ctrl_c_while_importing_or_in_the_first_round_is_one_line(tmp_path):
+  """Ctrl-C during the imports printed an import traceback (the handler came
+  with app.run); during the first round's TFF computation the process
+  aborted after the error line (status 134, "FATAL: exception not
+  rethrown": the computation's thread was ended while Python finalized)."""
+  root = tmp_path / 'runs'
+  command = lib.binary_command(
+      'binaries.train', '--task=celeba_smile', '--use_synthetic_data',
+      '--celeba_mode=federated', '--algorithm=fedavg', '--client_steps=2',
+      '--clients_per_round=4', '--total_rounds=8', '--experiment_name=run',
+      f'--root_output_dir={root}')
+  for when in ('importing', 'first round'):
+    process = subprocess.Popen(
+        command, cwd=lib.REPO, env=lib.environment(),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+      if when == 'importing':
+        time.sleep(1.0)  # TensorFlow and TFF take seconds to import.
+        assert not root.exists()
+      else:
+        deadline = time.monotonic() + 300
+        while not (root / 'run' / 'checkpoints' / 'round_0').exists():
+          assert process.poll() is None and time.monotonic() < deadline
+          time.sleep(0.02)
+        time.sleep(0.2)
+        workers = workers_of(process)
+        assert workers
+      process.send_signal(signal.SIGINT)
+      _, stderr = process.communicate(timeout=120)
+    finally:
+      process.kill()
+    assert process.returncode == 130, (when, stderr[-3000:])
+    assert stderr.splitlines() == [INTERRUPTED_LINE], (when, stderr[-3000:])
+  assert not any(alive(worker) for worker in workers)
+
+
 def test_ctrl_c_prints_nothing_about_what_it_cut_short(tmp_path):
   # Ctrl-C in a checkpoint write's asyncio.run left a half-made event loop
   # and an unawaited coroutine; Python reported both after the error line.
