@@ -161,3 +161,32 @@ def test_resume_with_other_results_changing_values(fedavg, task, tmp_path):
       {'from_round': 1, 'changes': {'seed': {'run': 0, 'now': 1}}}]
   assert [r['round_num'] for r in read_metrics(run_dir / 'metrics.csv')] == [
       '1', '2']
+
+
+def test_a_checkpoint_removed_while_read_is_named_so(tmp_path):
+  # evaluate reads without the run's lock: a trainer of the same run drops
+  # old checkpoints. It was "corrupted or incompatible ... or delete it".
+  checkpoints = driver.CheckpointManager(str(tmp_path / 'checkpoints'),
+                                         keep=2)
+  checkpoints.save(1, [np.ones([2], np.float32)], np.zeros([0], np.int64))
+  structure = driver.program_state_structure(
+      _StateOnly([np.zeros([2], np.float32)]), 1, 0, False)
+  assert checkpoints.load(1, structure)['round_num'] == 1
+  with pytest.raises(UsageError, match='round_1 is corrupted or incompatible'):
+    checkpoints.load(1, driver.program_state_structure(
+        _StateOnly([np.zeros([3], np.float32)]), 1, 0, False))
+  shutil.rmtree(tmp_path / 'checkpoints' / 'round_1')
+  with pytest.raises(UsageError,
+                     match='round_1 was removed while it was read: the run is '
+                     'still training'):
+    checkpoints.load(1, structure)
+
+
+class _StateOnly:
+  """What program_state_structure reads of a process."""
+
+  def __init__(self, state):
+    self._state = state
+
+  def initialize(self):
+    return self._state
