@@ -571,6 +571,14 @@ def aggregator_settings(task: task_base.Task) -> factories.AggregatorSettings:
     raise UsageError(f'--aggregator={name} runs only under --runtime=tff (its '
                      'tff.aggregators process is a TFF computation); the '
                      'native runtime runs --aggregator=mean')
+  if name == factories.SECURE and (FLAGS.num_workers > 1 or
+                                   FLAGS.num_subrounds > 1 or
+                                   FLAGS.worker_addresses):
+    # TFF's mergeable context refuses a secure sum after its merge (an
+    # AfterMergeStructureError traceback in the first round).
+    raise UsageError('--aggregator=secure runs on one TFF worker: TFF\'s '
+                     'secure sum cannot be split over --num_workers, '
+                     '--num_subrounds or --worker_addresses')
   if name != factories.MEAN and FLAGS.clients_per_group not in (0, 1):
     raise UsageError(f'--clients_per_group={FLAGS.clients_per_group} does not '
                      f'apply to --aggregator={name}: it aggregates each '

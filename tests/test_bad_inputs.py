@@ -229,6 +229,12 @@ CASES = [
          train_new('--aggregator=robust', '--clip_norm=1e300'),
          lambda p: 'flag --clip_norm=1e+300: must be at most 3.4028235e+38 in '
          'magnitude (a float32)'),
+    # TFF's AfterMergeStructureError traceback in the first round.
+    Case('secure_sum_in_sub_rounds', 'train',
+         train_new('--aggregator=secure', '--num_subrounds=2'),
+         lambda p: '--aggregator=secure runs on one TFF worker: TFF\'s secure '
+         'sum cannot be split over --num_workers, --num_subrounds or '
+         '--worker_addresses'),
     Case('learning_rate_beyond_float32', 'train',
          train_new('--client_learning_rate=1e39'),
          lambda p: 'flag --client_learning_rate=1e+39: must be at most '
