@@ -42,7 +42,6 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 # pylint: disable=g-import-not-at-top,wrong-import-position
