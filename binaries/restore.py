@@ -64,11 +64,13 @@ def load_run_flags() -> None:
       FLAGS[name].value = hparams[name]
   flags_lib.require_known_names(path)
   # Another value of a flag that shapes the model or data is a checkpoint
-  # "corrupted or incompatible" at best, or a silently different task.
+  # "corrupted or incompatible" at best, or a silently different task. A
+  # moved client-state store is only read here.
   differing = []
   for name, value in hparams.items():
     if (name in known and FLAGS[name].present and
         name not in run_directory.RESULT_NEUTRAL_KEYS and
+        name != 'client_state_dir' and
         FLAGS[name].value != _parse_stored(name, value, path)):
       differing.append(f'--{name} (run: {json.dumps(value)}, now: '
                        f'{json.dumps(FLAGS[name].value)})')
