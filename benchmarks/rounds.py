@@ -74,6 +74,7 @@ from absl import flags
 from binaries import app  # First: imports TensorFlow quietly.
 from benchmarks import report
 from binaries import process_memory
+from pipeline import interrupts
 from pipeline import tff_runtime
 from pipeline.errors import UsageError
 # Imported before absl parses flags: TF imported later, inside main, builds
@@ -595,6 +596,7 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
   peak_rss = peak_python = peak_workers = 0.0
   try:
     while child.poll() is None:
+      interrupts.check()
       python_mb, workers_mb = process_memory.rss_mb(process)
       peak_rss = max(peak_rss, python_mb + workers_mb)
       peak_python = max(peak_python, python_mb)
@@ -603,7 +605,12 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
     stdout, stderr = child.communicate()
   finally:
     if child.poll() is None:
-      child.kill()
+      # Its own handler removes its temp directory; SIGKILL left it.
+      child.terminate()
+      try:
+        child.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        child.kill()
     shutil.rmtree(output_dir, ignore_errors=True)
   results = [l for l in stdout.splitlines() if l.startswith(RESULT_PREFIX)]
   if child.returncode or not results:

@@ -182,7 +182,7 @@ def bad_data_message(error: BaseException) -> Optional[str]:
   return None
 
 
-def _remove_temp_dir_on_fatal_signals() -> None:
+def remove_temp_dir_on_fatal_signals() -> None:
   # tff_runtime's handlers re-raise the signal with its default action, which
   # skips atexit hooks; the private temp directory goes first.
   for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -203,10 +203,19 @@ def _interrupt_once(signum, frame):
   """SIGINT: KeyboardInterrupt the first time, then ignored. A second one (a
   second Ctrl-C, or GNU `timeout -s INT`, which signals the process and then
   its process group) interrupted the clean-up with a traceback. Inside
-  `interrupts.deferred()` (a metrics row, a checkpoint) it comes at its end."""
+  `interrupts.deferred()` (a metrics row, a checkpoint) it comes at its end;
+  one lost in a finalizer comes at the next `interrupts.check()`."""
   del signum, frame
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  interrupts.interrupt()
+  if not interrupts.requested():
+    interrupts.interrupt()
+
+
+def _unraisable_unless_interrupt(unraisable) -> None:
+  # A KeyboardInterrupt raised in a finalizer or a gc callback is lost
+  # there (interrupts.check raises it again); Python's report of it, an
+  # "Exception ignored in ..." block, is not the binary's one line.
+  if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+    sys.__unraisablehook__(unraisable)
 
 
 def exit_without_finalizing(status: int) -> None:
@@ -227,8 +236,9 @@ def exit_without_finalizing(status: int) -> None:
 def run(main, allow_positional_args: bool = False) -> None:
   tff_runtime.install_shutdown_hooks()
   private_temp.use_private_temp_dir()
-  _remove_temp_dir_on_fatal_signals()
+  remove_temp_dir_on_fatal_signals()
   signal.signal(signal.SIGINT, _interrupt_once)
+  sys.unraisablehook = _unraisable_unless_interrupt
 
   def fail(message: str, status: int):
     print(f'error: {message}', file=sys.stderr)
@@ -256,6 +266,7 @@ def run(main, allow_positional_args: bool = False) -> None:
       # What it cut short (e.g. an event loop of a checkpoint write, half
       # made, and its coroutine) is reported by Python at collection as
       # "Exception ignored ..." and "never awaited"; nothing to act on.
+      signal.signal(signal.SIGINT, signal.SIG_IGN)
       sys.unraisablehook = lambda unraisable: None
       warnings.simplefilter('ignore')
       fail(interrupts.INTERRUPTED, EXIT_INTERRUPTED)
@@ -278,10 +289,20 @@ def run(main, allow_positional_args: bool = False) -> None:
       print(f'error: {e}', file=sys.stderr)
       sys.exit(EXIT_USAGE)
 
+  status = 1
   try:
     app.run(guarded_main, flags_parser=parse_flags)
+  except SystemExit as e:
+    if isinstance(e.code, str):
+      print(e.code, file=sys.stderr)
+    status = e.code if isinstance(e.code, int) else int(e.code is not None)
   finally:
+    # The work is done (or failed, and said so): a Ctrl-C now would cut the
+    # workers' shutdown short with a traceback, or end Python's
+    # finalization without a line.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tff_runtime.shutdown_workers()
+  exit_without_finalizing(status)
 
 
 class ArgumentParser(argparse.ArgumentParser):

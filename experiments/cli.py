@@ -8,6 +8,7 @@ error line, which a CalledProcessError traceback used to follow.
 """
 
 import argparse
+import logging as logging_lib
 import math
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 from typing import Callable
 
 from binaries import app
+from pipeline import private_temp
 from pipeline import tff_runtime
 from pipeline.errors import UsageError
 
@@ -79,16 +81,39 @@ def run_binary(command: list[str], **kwargs) -> None:
     sys.exit(status if status > 0 else 128 - status)  # -N: killed by N.
 
 
-def run_main(main: Callable[[], int]) -> None:
-  """sys.exit(main()), with the binaries' error lines and statuses."""
+class _WithoutRetracingNotes(logging_lib.Filter):
+  """An experiment trains many small runs in one process, so TF's notes
+  that a function was traced again (a performance hint) are expected."""
+
+  def filter(self, record):
+    return 'triggered tf.function retracing' not in record.getMessage()
+
+
+def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
+  """sys.exit(main()), with the binaries' error lines and statuses.
+
+  `runs_kept`: whether the experiment's runs are run directories a re-run
+  goes on from (False: runs in a temporary directory, trained in this
+  process). Those, and TF's temporary files, live in this process's private
+  temp directory, removed at exit, on SIGTERM/SIGHUP, or (after a SIGKILL)
+  by the next start of a binary or experiment.
+  """
+  tff_runtime.install_shutdown_hooks()
+  private_temp.use_private_temp_dir()
+  app.remove_temp_dir_on_fatal_signals()
+  logging_lib.getLogger('tensorflow').addFilter(_WithoutRetracingNotes())
   try:
     status = main()
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr)
     status = app.EXIT_USAGE
   except KeyboardInterrupt:
-    print('error: interrupted; re-run the same command to go on (the runs '
-          'trained so far are kept)', file=sys.stderr)
+    if runs_kept:
+      print('error: interrupted; re-run the same command to go on (the runs '
+            'trained so far are kept)', file=sys.stderr)
+    else:
+      print('error: interrupted (its runs were temporary: a re-run starts '
+            'over)', file=sys.stderr)
     status = app.EXIT_INTERRUPTED
   except Exception as e:  # pylint: disable=broad-except
     message = app.environment_fault_message(e)

@@ -76,6 +76,6 @@ def main():
 
 if __name__ == '__main__':
   try:
-    cli.run_main(main)
+    cli.run_main(main, runs_kept=False)
   finally:
     tff_runtime.shutdown_workers()

@@ -631,6 +631,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
   next_plan = plan_of(start_round + 1)
   try:
     for round_num in range(start_round + 1, config.total_rounds + 1):
+      interrupts.check()
       started = time.perf_counter()
       plan = next_plan
       # The next round's clients keep their new states in the page cache.

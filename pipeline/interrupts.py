@@ -25,11 +25,13 @@ EXIT_INTERRUPTED = 130
 
 _depth = 0
 _pending = False
+_requested = False
 
 
 def interrupt() -> None:
   """KeyboardInterrupt now, or at the end of the current `deferred()`."""
-  global _pending
+  global _pending, _requested
+  _requested = True
   if _depth:
     _pending = True
     return
@@ -51,20 +53,45 @@ def deferred():
     raise KeyboardInterrupt
 
 
+def requested() -> bool:
+  """Whether `interrupt()` was called in this process."""
+  return _requested
+
+
+def check() -> None:
+  """KeyboardInterrupt if `interrupt()` was called: its exception can be
+  lost when the signal lands in a finalizer or a garbage-collector callback
+  (Python reports it as "Exception ignored" and goes on). Called at safe
+  points of long loops (each round), so such a Ctrl-C still stops the run
+  there."""
+  if _requested and not _depth:
+    raise KeyboardInterrupt
+
+
 def run_coroutine(coroutine):
   """`asyncio.run(coroutine)` with Ctrl-C held back until it is done."""
   with deferred():
     return asyncio.run(coroutine)
 
 
+# Programs (`python -m <package>.<name>`) that run through `app.run`.
+_APP_PACKAGES = ('binaries.', 'benchmarks.')
+
+
+def _runs_as_app_program() -> bool:
+  if sys.argv[:1] == ['-m']:  # `python -m binaries.x`: its package imports.
+    return True
+  spec = getattr(sys.modules.get('__main__'), '__spec__', None)
+  return bool(spec and spec.name.startswith(_APP_PACKAGES))
+
+
 def exit_at_once_while_starting() -> None:
   """Ctrl-C while a binary imports TensorFlow and TFF (seconds; nothing is
   written yet) ends it with the binary's one error line and status 130, not
   an import traceback, until its `app.run` installs its own handler. Only
-  for `python -m binaries.<name>` (argv[0] is '-m' while its package is
-  imported): a program that imports the package, e.g. pytest, keeps its
-  own Ctrl-C."""
-  if sys.argv[:1] != ['-m']:
+  for the programs that run through `app.run`: one that imports the
+  package, e.g. pytest, keeps its own Ctrl-C."""
+  if not _runs_as_app_program():
     return
   # The import of TensorFlow captures file descriptor 2 for a while
   # (tf_logs.stderr_without); the line goes to the real stderr.

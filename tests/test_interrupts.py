@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -11,8 +12,10 @@ from pipeline import interrupts
 
 
 @pytest.fixture
-def sigint_calls_interrupt():
+def sigint_calls_interrupt(monkeypatch):
   # As binaries.app installs it (without its ignoring of a second SIGINT).
+  # A Ctrl-C stays requested for the process: later tests run in it.
+  monkeypatch.setattr(interrupts, '_requested', False)
   previous = signal.signal(signal.SIGINT,
                            lambda signum, frame: interrupts.interrupt())
   yield
@@ -56,3 +59,26 @@ def test_an_error_inside_is_not_replaced(sigint_calls_interrupt):
   with pytest.raises(KeyboardInterrupt):
     with interrupts.deferred():
       pass
+
+
+def test_a_ctrl_c_lost_in_a_finalizer_comes_at_the_next_check(
+    sigint_calls_interrupt):
+  # Python reports an exception raised in __del__ as "Exception ignored" and
+  # goes on: the Ctrl-C was lost, and the benchmark ran to its end.
+  class Finalized:
+
+    def __del__(self):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.01)  # The handler runs here.
+
+  lost = []
+  previous_hook = sys.unraisablehook
+  sys.unraisablehook = lost.append
+  try:
+    Finalized()  # Freed at once.
+  finally:
+    sys.unraisablehook = previous_hook
+  assert [u.exc_type for u in lost] == [KeyboardInterrupt]
+  assert interrupts.requested()
+  with pytest.raises(KeyboardInterrupt):
+    interrupts.check()
