@@ -33,9 +33,13 @@ def lock_as_owner(directory: str) -> int:
   """Marks `directory` as this process's while the returned descriptor is
   open (an exclusive lock on a file in it; the kernel frees it when the
   process ends, however it ends)."""
-  fd = os.open(os.path.join(directory, _OWNER_LOCK), os.O_RDWR | os.O_CREAT,
-               0o600)
+  # Locked before it takes its name: another process's `owner_is_gone`
+  # could otherwise lock the new, not yet locked file, and remove the
+  # directory of a live process (seen in the test suite).
+  unnamed = os.path.join(directory, _OWNER_LOCK + '.new')
+  fd = os.open(unnamed, os.O_RDWR | os.O_CREAT, 0o600)
   fcntl.flock(fd, fcntl.LOCK_EX)
+  os.rename(unnamed, os.path.join(directory, _OWNER_LOCK))
   return fd
 
 

@@ -597,6 +597,32 @@ def test_temp_dirs_of_ended_processes_are_removed(tmp_path):
     alive.wait()
 
 
+def test_a_temp_dir_whose_lock_is_not_yet_named_is_kept(tmp_path,
+                                                        monkeypatch):
+  # lock_as_owner names its lock file only once it is locked: a lock file
+  # made but not yet locked looked like one of an ended process, and
+  # another process's start removed the directory of a live one.
+  fresh = tmp_path / (private_temp.PREFIX + 'fresh')
+  fresh.mkdir()
+  flock, removed = private_temp.fcntl.flock, []
+
+  def another_start_first(fd, operation):
+    if not removed:  # Another process starts just before this one locks.
+      removed.append(private_temp.remove_stale(str(tmp_path)))
+    return flock(fd, operation)
+
+  monkeypatch.setattr(private_temp.fcntl, 'flock', another_start_first)
+  fd = private_temp.lock_as_owner(str(fresh))
+  monkeypatch.undo()
+  assert removed == [0] and fresh.is_dir()
+  try:
+    assert os.listdir(fresh) == ['.owner.lock']
+    assert not private_temp.owner_is_gone(str(fresh))
+  finally:
+    os.close(fd)
+  assert private_temp.owner_is_gone(str(fresh))
+
+
 def test_a_replaced_file_is_whole_or_as_it_was(tmp_path):
   # evaluate wrote its report in place: a full disk emptied an earlier one.
   place = tmp_path / 'disk'
