@@ -134,7 +134,7 @@ def _personalized_metrics(checkpoint, task) -> dict:
   evaluates each client with the global model plus its own theta_i, the
   states the checkpoint's round committed."""
   # No trainer may write the client states meanwhile.
-  with run_directory.RunLock(restore.run_dir(), writable=False):
+  with run_directory.locked(restore.run_dir(), writable=False):
     states = restore.client_states(checkpoint, task)
     return evaluation.flatten_metrics(
         checkpoint.definition.personalization.evaluate(

@@ -35,23 +35,16 @@ def main(argv):
   export_lib.check_export_dir(export_dir, run_dir)
   restore.load_run_flags()
   # No trainer may write the run (or its export) meanwhile.
-  before = run_directory.entries(run_dir)
-  with run_directory.RunLock(run_dir, writable=False):
-    try:
-      task = restore.build_task()
-      checkpoint = restore.load_checkpoint(task)
-      states = None
-      if checkpoint.definition.personalization is not None:
-        states = restore.client_states(checkpoint, task)
-      path = export_lib.export_saved_model(
-          task, checkpoint.model_weights, export_dir,
-          driver.personal_models_writer(
-              checkpoint.definition, checkpoint.state['server_state'],
-              states))
-    except BaseException:
-      # A refused export leaves the run as it was (no lock file).
-      run_directory.remove_unwritten(run_dir, before)
-      raise
+  with run_directory.locked(run_dir, writable=False):
+    task = restore.build_task()
+    checkpoint = restore.load_checkpoint(task)
+    states = None
+    if checkpoint.definition.personalization is not None:
+      states = restore.client_states(checkpoint, task)
+    path = export_lib.export_saved_model(
+        task, checkpoint.model_weights, export_dir,
+        driver.personal_models_writer(
+            checkpoint.definition, checkpoint.state['server_state'], states))
   print(f'exported round {checkpoint.round_num} to {path}')
 
 

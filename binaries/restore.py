@@ -108,11 +108,8 @@ class Checkpoint:
 def load_checkpoint(task) -> Checkpoint:
   """The chosen checkpoint (--checkpoint_round, default the latest)."""
   definition = flags_lib.build_algorithm(task)
-  checkpoint_dir = os.path.join(run_dir(), run_directory.CHECKPOINTS_DIR)
-  if not os.path.lexists(checkpoint_dir):
-    # TFF's manager would make it: a refused command left it behind.
-    raise UsageError(f'{run_dir()}/checkpoints has no checkpoint')
-  checkpoints = driver.CheckpointManager(checkpoint_dir, keep=0)
+  checkpoints = driver.CheckpointManager(
+      os.path.join(run_dir(), run_directory.CHECKPOINTS_DIR), keep=0)
   rounds = checkpoints.rounds()
   if not rounds:
     raise UsageError(f'{run_dir()}/checkpoints has no checkpoint')

@@ -197,14 +197,24 @@ class CheckpointManager:
   def __init__(self, checkpoint_dir: str, keep: int):
     self._dir = checkpoint_dir
     self._keep = keep
-    self._manager = tff.program.FileProgramStateManager(
-        checkpoint_dir, prefix=CHECKPOINT_PREFIX, keep_total=keep,
-        keep_first=False)
+    self._tff_manager = None
+
+  @property
+  def _manager(self) -> tff.program.FileProgramStateManager:
+    # Made at first use: TFF's manager makes its directory, which a command
+    # that only reads (evaluate, export, a refused start) must not.
+    if self._tff_manager is None:
+      self._tff_manager = tff.program.FileProgramStateManager(
+          self._dir, prefix=CHECKPOINT_PREFIX, keep_total=self._keep,
+          keep_first=False)
+    return self._tff_manager
 
   def rounds(self) -> list[int]:
     if os.path.exists(self._dir) and not os.path.isdir(self._dir):
       raise UsageError(f'{self._dir} is a file, not the directory of the '
                        "run's checkpoints")
+    if not os.path.isdir(self._dir):
+      return []
     self._refuse_other_round_names()
     return list(interrupts.run_coroutine(self._manager.get_versions()) or ())
 
@@ -540,16 +550,9 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   if definition.has_client_state:
     _require_store_directory(config.state_dir)
     _require_own_store(config.state_dir, config.run_dir)
-  before = run_directory.entries(config.run_dir)
-  with run_directory.RunLock(config.run_dir):
-    try:
-      return _train_locked(definition, task, config, hparams,
-                           model_aggregator, round_metrics, hparams_defaults,
-                           hparams_unused)
-    except BaseException:
-      # Under the lock: no other process can have started in it meanwhile.
-      run_directory.remove_unwritten(config.run_dir, before)
-      raise
+  with run_directory.locked(config.run_dir):
+    return _train_locked(definition, task, config, hparams, model_aggregator,
+                         round_metrics, hparams_defaults, hparams_unused)
 
 
 def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,

@@ -20,6 +20,7 @@ left behind.
   hparams.json (new runs and allowed changes only).
 """
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -28,7 +29,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from pipeline import run_logs
 from pipeline.errors import ENVIRONMENT_ERRNOS
@@ -222,6 +223,21 @@ def remove_unwritten(run_dir: str, before: Optional[frozenset]) -> None:
       os.unlink(path)
     else:
       shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def locked(run_dir: str, writable: bool = True) -> Iterator[None]:
+  """`RunLock(run_dir, writable)` held for the block; a block that fails
+  having written nothing but the lock file and empty directories leaves the
+  run directory as it was (`remove_unwritten`)."""
+  before = entries(run_dir)
+  with RunLock(run_dir, writable):
+    try:
+      yield
+    except BaseException:
+      # Under the lock: no other process can have started in it meanwhile.
+      remove_unwritten(run_dir, before)
+      raise
 
 
 def read_hparams(run_dir: str) -> dict:
