@@ -11,13 +11,14 @@ a resumed run is bit-identical to an uninterrupted one.
 """
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import logging
 import os
 import shutil
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -312,8 +313,15 @@ def _require_store_directory(directory: str) -> None:
     raise OSError(code, os.strerror(code), existing)
 
 
-# In a client-state store: the run directory (real path) whose store it is.
+# In a client-state store: the run directory (real path) whose store it is,
+# and the lock a run holds on a store outside its run directory.
 STORE_OWNER_FILE = '.owner'
+STORE_LOCK_FILE = STORE_OWNER_FILE + '.lock'
+
+
+def _is_default_store(directory: str, run_dir: str) -> bool:
+  return os.path.realpath(directory) == os.path.join(
+      os.path.realpath(run_dir), CLIENT_STATE_DIR)
 
 
 def _store_owner(directory: str) -> Optional[str]:
@@ -340,7 +348,7 @@ def _require_own_store(directory: str, run_dir: str) -> None:
   store = os.path.realpath(directory)
   run = os.path.realpath(run_dir)
   flag = f'the client-state store {directory} (--client_state_dir)'
-  default = store == os.path.join(run, CLIENT_STATE_DIR)
+  default = _is_default_store(directory, run_dir)
   if not default and (store == run or store.startswith(run + os.sep)):
     raise UsageError(f'{flag} lies inside the run directory {run} but is not '
                      f'its {CLIENT_STATE_DIR} directory; leave '
@@ -385,8 +393,7 @@ def mark_store_directory(directory: str, run_dir: str) -> None:
   The default store, inside the run directory, holds only its rounds."""
   store = os.path.realpath(directory)
   run = os.path.realpath(run_dir)
-  if (store == os.path.join(run, CLIENT_STATE_DIR) or
-      _store_owner(store) == run):
+  if _is_default_store(directory, run_dir) or _store_owner(store) == run:
     return
   os.makedirs(store, exist_ok=True)
   marker = os.path.join(store, STORE_OWNER_FILE)
@@ -550,9 +557,26 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   if definition.has_client_state:
     _require_store_directory(config.state_dir)
     _require_own_store(config.state_dir, config.run_dir)
-  with run_directory.locked(config.run_dir):
+  with run_directory.locked(config.run_dir), _store_locked(definition, config):
     return _train_locked(definition, task, config, hparams, model_aggregator,
                          round_metrics, hparams_defaults, hparams_unused)
+
+
+@contextlib.contextmanager
+def _store_locked(definition: round_lib.RoundDefinition,
+                  config: RunConfig) -> Iterator[None]:
+  """A store outside the run directory locked for the run, its ownership
+  checked again under the lock: the check before it is unlocked, so two runs
+  started at once on one new store could both pass it and write each
+  other's client states. (The default store is the run lock's.)"""
+  if not definition.has_client_state or _is_default_store(config.state_dir,
+                                                          config.run_dir):
+    yield
+    return
+  with run_directory.locked(config.state_dir, lock_file=STORE_LOCK_FILE,
+                            when_busy='give each run a store of its own'):
+    _require_own_store(config.state_dir, config.run_dir)
+    yield
 
 
 def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,

@@ -138,12 +138,19 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
 class RunLock:
   """Exclusive use of a run directory by this process (see module doc)."""
 
-  def __init__(self, run_dir: str, writable: bool = True):
+  def __init__(self, run_dir: str, writable: bool = True,
+               lock_file: str = LOCK_FILE,
+               when_busy: str = 'use another --experiment_name'):
     """`writable`: open the lock file for writing, so that a run directory
     this process cannot write is an error at once (training); otherwise a
-    read-only run can be locked (exporting elsewhere)."""
+    read-only run can be locked (exporting elsewhere). `lock_file` and
+    `when_busy` (the advice when another process holds it) let the same
+    lock guard another directory a run uses alone (its client-state
+    store)."""
     self._run_dir = run_dir
     self._writable = writable
+    self._lock_file = lock_file
+    self._when_busy = when_busy
     self._fd: Optional[int] = None
 
   def acquire(self) -> 'RunLock':
@@ -157,7 +164,7 @@ class RunLock:
       raise EnvironmentFault(
           f'{self._run_dir} cannot be made ({e.strerror}); use another '
           '--root_output_dir') from None
-    path = os.path.join(self._run_dir, LOCK_FILE)
+    path = os.path.join(self._run_dir, self._lock_file)
     if self._writable:
       fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     else:
@@ -172,8 +179,8 @@ class RunLock:
       if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
         raise UsageError(
             f'{self._run_dir} is in use by another process (it holds '
-            f'{path}); wait for it to finish, or use another '
-            '--experiment_name') from None
+            f'{path}); wait for it to finish, or {self._when_busy}'
+        ) from None
       raise
     self._fd = fd
     return self
@@ -202,7 +209,8 @@ def _holds_files(path: str) -> bool:
   return any(files for _, _, files in os.walk(path))
 
 
-def remove_unwritten(run_dir: str, before: Optional[frozenset]) -> None:
+def remove_unwritten(run_dir: str, before: Optional[frozenset],
+                     lock_file: str = LOCK_FILE) -> None:
   """After a refused or failed start: if nothing was written but the lock
   file and empty directories, removes those (the run directory too if it
   was new, `before` being None), so that a refused attempt leaves the
@@ -211,7 +219,7 @@ def remove_unwritten(run_dir: str, before: Optional[frozenset]) -> None:
     return
   new = [name for name in os.listdir(run_dir)
          if before is None or name not in before]
-  if any(name != LOCK_FILE and _holds_files(os.path.join(run_dir, name))
+  if any(name != lock_file and _holds_files(os.path.join(run_dir, name))
          for name in new):
     return
   if before is None:
@@ -219,24 +227,26 @@ def remove_unwritten(run_dir: str, before: Optional[frozenset]) -> None:
     return
   for name in new:
     path = os.path.join(run_dir, name)
-    if name == LOCK_FILE:
+    if name == lock_file:
       os.unlink(path)
     else:
       shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def locked(run_dir: str, writable: bool = True) -> Iterator[None]:
-  """`RunLock(run_dir, writable)` held for the block; a block that fails
-  having written nothing but the lock file and empty directories leaves the
-  run directory as it was (`remove_unwritten`)."""
+def locked(run_dir: str, writable: bool = True, lock_file: str = LOCK_FILE,
+           when_busy: str = 'use another --experiment_name'
+           ) -> Iterator[None]:
+  """`RunLock(run_dir, ...)` held for the block; a block that fails having
+  written nothing but the lock file and empty directories leaves the
+  directory as it was (`remove_unwritten`)."""
   before = entries(run_dir)
-  with RunLock(run_dir, writable):
+  with RunLock(run_dir, writable, lock_file, when_busy):
     try:
       yield
     except BaseException:
       # Under the lock: no other process can have started in it meanwhile.
-      remove_unwritten(run_dir, before)
+      remove_unwritten(run_dir, before, lock_file)
       raise
 
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -395,3 +396,39 @@ def test_overwritten_or_truncated_state_files_are_found(tmp_path,
   os.truncate(truncated, size - 1)
   assert client_states.missing_files(state_format, index, size, header) == [
       overwritten, truncated]
+
+
+def test_a_store_in_use_by_another_run_is_refused(train_binary, tmp_path):
+  """Two new runs on one new --client_state_dir, started at once, both
+  passed the store's ownership check (made before any lock) and wrote each
+  other's states: a run holds the store's lock, and checks its owner again
+  under it."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  from pipeline import driver  # pylint: disable=g-import-not-at-top
+  store = tmp_path / 'store'
+  store.mkdir()
+  held = os.open(store / driver.STORE_LOCK_FILE, os.O_WRONLY | os.O_CREAT)
+  try:
+    fcntl.flock(held, fcntl.LOCK_EX)  # The first run, still starting.
+    refused = train_binary(*_args(tmp_path, 'second'),
+                           f'--client_state_dir={store}')
+  finally:
+    os.close(held)
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  assert refused.stderr.strip().splitlines() == [
+      f'error: {store} is in use by another process (it holds '
+      f'{store / driver.STORE_LOCK_FILE}); wait for it to finish, or give '
+      'each run a store of its own']
+  assert sorted(os.listdir(store)) == [driver.STORE_LOCK_FILE]
+  assert not (tmp_path / 'second').exists()
+
+  # The first run marked the store after the second's unlocked check: the
+  # check under the lock refuses it.
+  (store / driver.STORE_OWNER_FILE).write_text(f'{tmp_path / "first"}\n')
+  config = driver.RunConfig(
+      root_output_dir=str(tmp_path), experiment_name='second', total_rounds=1,
+      clients_per_round=1, client_state_dir=str(store))
+  stateful = types.SimpleNamespace(has_client_state=True)
+  with pytest.raises(errors.UsageError, match='is the store of the run '):
+    with driver._store_locked(stateful, config):
+      pass
