@@ -540,3 +540,35 @@ def test_labels_beyond_the_models_classes_are_bad_data(error):
         '(Received a label value of 99 which is outside the valid range of '
         '[0, 62)): they are damaged or not the files of this task '
         '(--cache_dir, --data_dir)')
+
+
+def test_a_script_using_the_modules_leaves_no_worker_behind(tmp_path):
+  """A script (or notebook) that runs a TFF computation through this
+  project's modules, without its binaries: TFF's own local context starts a
+  worker that outlived the script and held its output pipes open (a caller
+  reading them waited for good), and TFF printed an AttributeError at
+  teardown."""
+  script = tmp_path / 'script.py'
+  script.write_text(
+      'import os\n'
+      'import tensorflow as tf\n'
+      'import tensorflow_federated as tff\n'
+      'import tff_algos.algorithms.registry  # noqa: F401\n'
+      '@tff.tensorflow.computation(tf.float32)\n'
+      'def add_one(x):\n'
+      '  return x + 1\n'
+      'print(add_one(1.0), os.getpid())\n')
+  try:
+    done = subprocess.run([sys.executable, str(script)], cwd=lib.REPO,
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, 'PYTHONPATH': lib.REPO})
+  finally:
+    leaked = [p for p in psutil.process_iter(['cmdline', 'ppid'])
+              if 'worker_binary' in ' '.join(p.info['cmdline'] or ())
+              and p.info['ppid'] == 1 and p.create_time() > script.stat().st_mtime]
+    for process in leaked:
+      process.kill()
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split()[0] == '2.0'
+  assert not leaked
+  assert 'Exception ignored' not in done.stderr, done.stderr[-3000:]

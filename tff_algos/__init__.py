@@ -1,1 +1,3 @@
-"""Federated algorithms: pure-TF update logic (`*_tf.py`) + TFF processes."""
+"""Federated algorithms: TF math (`math.py`) and TFF processes (`definition.py`)."""
+
+import pipeline  # noqa: F401  (stops TFF's workers at exit)
