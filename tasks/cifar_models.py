@@ -106,7 +106,12 @@ class BasicBlock(tf.keras.layers.Layer):
 
   def build(self, input_shape):
     if self.stride != 1 or input_shape[-1] != self.filters:
-      self.shortcut_conv = _conv(self.filters, 1, self.stride)
+      # The strided 1x1 conv as a 1x1 conv of every stride-th pixel (the
+      # same function: 'same' padding adds none for a 1x1 kernel). TF 2.14's
+      # oneDNN kernel for the filter gradient of a strided 1x1 conv corrupts
+      # memory when it has fewer than 16 input channels (--model_width
+      # below 1): a segmentation fault or a glibc abort.
+      self.shortcut_conv = _conv(self.filters, 1)
       self.shortcut_norm = _group_norm()
     super().build(input_shape)
 
@@ -115,7 +120,8 @@ class BasicBlock(tf.keras.layers.Layer):
     x = self.norm2(self.conv2(x))
     shortcut = inputs
     if self.shortcut_conv is not None:
-      shortcut = self.shortcut_norm(self.shortcut_conv(inputs))
+      strided = inputs[:, ::self.stride, ::self.stride, :]
+      shortcut = self.shortcut_norm(self.shortcut_conv(strided))
     return tf.nn.relu(x + shortcut)
 
   def get_config(self):

@@ -1,6 +1,8 @@
 """tasks.cifar on TFDS data prepared from tiny files in CIFAR's binary format."""
 
 import os
+import subprocess
+import sys
 from unittest import mock
 
 import numpy as np
@@ -14,6 +16,8 @@ from tasks import base
 from tasks import cifar
 from tasks import cifar_models
 from tasks import dirichlet
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TRAIN_PER_FILE = 12  # 5 files: 60 training images
 NUM_TEST = 10
@@ -177,6 +181,35 @@ def test_model_sizes_match_the_paper():
   # VGG-11's three dense layers are variables 16..21 (FedPVR's start 16).
   assert [v.shape.as_list() for v in vgg.trainable_variables[16:]] == [
       [512, 512], [512], [512, 512], [512], [512, 10], [10]]
+
+
+def test_resnet8_shortcut_is_the_strided_1x1_conv():
+  """The shortcut takes every stride-th pixel into a 1x1 conv (TF 2.14's
+  oneDNN filter gradient of a strided 1x1 conv with few input channels
+  corrupts memory): the same function as the strided conv."""
+  block = cifar_models.BasicBlock(8, stride=2)
+  inputs = tf.constant(np.random.default_rng(0).normal(
+      size=[3, 15, 15, 4]).astype(np.float32))
+  block(inputs)
+  kernel = block.shortcut_conv.kernel
+  assert kernel.shape == [1, 1, 4, 8]
+  np.testing.assert_allclose(
+      block.shortcut_conv(inputs[:, ::2, ::2, :]).numpy(),
+      tf.nn.conv2d(inputs, kernel, strides=2, padding='SAME').numpy(),
+      rtol=1e-6, atol=1e-6)
+
+
+def test_narrow_resnet8_trains_without_crashing(tmp_path):
+  """--model_width below 1 crashed the native runtime (segmentation fault
+  or glibc abort in the shortcut's filter gradient)."""
+  done = subprocess.run(
+      [sys.executable, '-m', 'binaries.train', '--task=cifar10',
+       '--algorithm=fedavg', '--use_synthetic_data', '--runtime=native',
+       '--model=resnet8', '--model_width=0.5', '--num_clients=3',
+       '--client_steps=1', '--total_rounds=1', '--experiment_name=narrow',
+       f'--root_output_dir={tmp_path}'],
+      cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_synthetic_data_has_the_real_structure(task):
