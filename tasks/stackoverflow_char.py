@@ -274,6 +274,24 @@ class Wikipedia:
                        f'{config.data_dir}: {e}') from e
     self._files = [os.fspath(path) for path in split.filepaths]
     self._shard_lengths = [int(n) for n in split.shard_lengths]
+    self._require_central_articles()
+
+  def _require_central_articles(self) -> None:
+    """UsageError unless every shard file is there and one article is not
+    held out: the central stream repeats its articles without end, so with
+    none it would wait forever for its first batch."""
+    where = f'TFDS {WIKIPEDIA} in --data_dir={self._data_dir}'
+    missing = [path for path in self._files if not os.path.isfile(path)]
+    if missing:
+      raise UsageError(f'{where} lacks its file {missing[0]}; restore it or '
+                       'prepare the dataset again')
+    # A damaged file fails here, as the binaries report it
+    # (binaries.app.bad_data_message).
+    if not any(True for _ in self.eval_articles(held_out=False).take(1)):
+      raise UsageError(
+          f'{where} holds no article for the central data: all '
+          f'{sum(self._shard_lengths)} are held out for evaluation (1 title '
+          f'in {WIKIPEDIA_EVAL_BUCKETS}) or the split is empty')
 
   def train_stream(self, seed: tf.Tensor) -> tf.data.Dataset:
     """An endless, seeded stream of the central (not held-out) articles.
@@ -308,13 +326,16 @@ class Wikipedia:
                                          features.deserialize_example)
     return articles.filter(_is_wikipedia_train_article)
 
-  def eval_articles(self) -> tf.data.Dataset:
+  def eval_articles(self, held_out: bool = True) -> tf.data.Dataset:
+    """The held-out articles in a fixed order (`held_out=False`: the others,
+    once)."""
     if self._synthetic:
       articles = tf.data.Dataset.from_tensor_slices(self._articles)
     else:
       articles = tfds.load(WIKIPEDIA, split='train', data_dir=self._data_dir,
                            download=False, shuffle_files=False)
-    return articles.filter(_is_wikipedia_eval_article)
+    return articles.filter(_is_wikipedia_eval_article if held_out else
+                           _is_wikipedia_train_article)
 
 
 # --- Model -----------------------------------------------------------------

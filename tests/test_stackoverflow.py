@@ -2,6 +2,7 @@
 (TFF's stackoverflow.sqlite, a prepared TFDS wikipedia/20201201.en), and on
 synthetic data."""
 
+import re
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -316,3 +317,25 @@ def test_damaged_wikipedia_shard_ends_training_with_one_error_line(
       "error: the task's data files hold a damaged TFRecord file "
       f'({found}): restore them, or use the files of this task '
       '(--cache_dir, --data_dir)')
+
+
+@pytest.mark.parametrize('num_articles,num_held_out,removed_shard', [
+    (3, 3, False), (4, 1, True)], ids=['all_held_out', 'shard_missing'])
+def test_wikipedia_without_central_articles_is_a_usage_error(
+    sources, tmp_path, num_articles, num_held_out, removed_shard):
+  """With every article held out for evaluation, the central stream (an
+  endless repeat, filtered) never yielded a batch: training hung."""
+  data_dir = tmp_path / 'tfds'
+  fixture.write_wikipedia_tfds(str(data_dir), num_articles=num_articles,
+                               num_held_out=num_held_out)
+  if removed_shard:
+    (shard,) = data_dir.glob('wikipedia/*/*/*.tfrecord-00001-of-*')
+    shard.unlink()
+    expected = f'lacks its file {shard}; restore it'
+  else:
+    expected = ('holds no article for the central data: all 3 are held out '
+                'for evaluation')
+  with pytest.raises(UsageError, match=re.escape(expected)):
+    so_char.build_task(base.DataConfig(
+        cache_dir=sources['cache_dir'], data_dir=str(data_dir),
+        options=TINY_MODEL))
