@@ -119,14 +119,38 @@ class _UnusedAssertionFilter(logging_lib.Filter):
 
 # How TF reports a dataset record that is not what the task's parser expects
 # (e.g. a damaged sqlite file of TFF's CelebA or StackOverflow): found while
-# training, in the worker, and passed up through gRPC.
-_UNPARSABLE_DATA = 'Could not parse example input'
+# training, in the worker, and passed up through gRPC. Not a proto at all;
+# a feature of another size or type; a feature missing.
+_UNPARSABLE_DATA = re.compile(
+    r"Could not parse example input|"
+    r"Key: [\w/.-]+\.\s+(?:Can't parse serialized Example|"
+    r"Data types don't match)|"
+    r'Feature: [\w/.-]+ \(data type: \w+\) is required but could not be '
+    r'found')
 
 
 # How TF reports a TFRecord file of the task's data (e.g. a TFDS shard of
 # Wikipedia) that is cut short or not a TFRecord file: a traceback, from
 # this process or from the worker.
 _DAMAGED_RECORD = re.compile(r'(truncated|corrupted) record at \d+')
+
+
+# How TF reports a file it was told to read that is not there (e.g. a TFDS
+# shard of the task's data deleted): a traceback.
+_MISSING_FILE = re.compile(r'(/[^\s;]+); No such file or directory')
+
+
+# How TF's SQL dataset (TFF's SqlClientData: TFF's CelebA, StackOverflow,
+# EMNIST files and this project's partitions of EMNIST and CIFAR) reports a
+# damaged SQLite file.
+_DAMAGED_SQLITE = re.compile(r'database disk image is malformed|'
+                             r'file is not a database')
+
+
+# How TFDS reports a split with fewer records than its metadata (a shard
+# emptied or cut short at a record boundary).
+_SHORT_DATASET = re.compile(r'Input dataset was expected to contain \d+ '
+                            r'elements but contained only \d+ elements')
 
 
 # How TF's sparse cross-entropy reports a label beyond the model's classes
@@ -150,35 +174,44 @@ _DAMAGED_STATE = re.compile(
     r'\[' + re.escape(DAMAGED_CLIENT_STATE) + r'\] \[([^\]]+)\]')
 
 
+_NOT_THIS_TASKS = ('they are damaged or not the files of this task '
+                   '(--cache_dir, --data_dir)')
+
+# (how TF reports it, its one line from the match), in the order tried.
+_BAD_DATA = (
+    (_UNPARSABLE_DATA, lambda m: 'the task\'s data files hold records that '
+     f'cannot be parsed ({m.group(0)}): {_NOT_THIS_TASKS}'),
+    (_DAMAGED_STATE, lambda m: f'{m.group(1)} is damaged: its values do not '
+     'match its checksum; restore the client state directory, or train a new '
+     '--experiment_name'),
+    (_DAMAGED_RECORD, lambda m: 'the task\'s data files hold a damaged '
+     f'TFRecord file ({m.group(0)}): restore them, or use the files of this '
+     'task (--cache_dir, --data_dir)'),
+    (_MISSING_FILE, lambda m: f'a file the run reads is missing: {m.group(1)} '
+     '(No such file or directory); restore it, or use the files of this task '
+     '(--cache_dir, --data_dir)'),
+    (_DAMAGED_SQLITE, lambda m: 'the task\'s data files hold a damaged SQLite '
+     f'file ({m.group(0)}): restore it; a partition this project made '
+     '(<--cache_dir>/partitions/*.sqlite) is made again once deleted'),
+    (_SHORT_DATASET, lambda m: 'the task\'s data files hold fewer records '
+     f'than their metadata says ({m.group(0)}): restore them, or prepare the '
+     'dataset again (--data_dir)'),
+    (_NON_FINITE_DATA, lambda m: f'the task\'s data files hold {m.group(1)} '
+     f'({m.group(2)}): {_NOT_THIS_TASKS}'),
+    (_LABEL_OUT_OF_RANGE, lambda m: 'the task\'s data files hold a label the '
+     f'model has no class for ({m.group(0)}): {_NOT_THIS_TASKS}'),
+)
+
+
 def bad_data_message(error: BaseException) -> Optional[str]:
-  """The one-line message for a task's data that cannot be parsed, or a
+  """The one-line message for a task's data that is damaged or missing, or a
   damaged client state file, if `error`'s chain (the error, its cause and
   context) reports it."""
-  if any(_UNPARSABLE_DATA in str(e) for e in _chain(error)):
-    return ('the task\'s data files hold records that cannot be parsed '
-            f'({_UNPARSABLE_DATA}): they are damaged or not the files of '
-            'this task (--cache_dir, --data_dir)')
   for link in _chain(error):
-    damaged_state = _DAMAGED_STATE.search(str(link))
-    if damaged_state:
-      return (f'{damaged_state.group(1)} is damaged: its values do not match '
-              'its checksum; restore the client state directory, or train a '
-              'new --experiment_name')
-    damaged = _DAMAGED_RECORD.search(str(link))
-    if damaged:
-      return (f'the task\'s data files hold a damaged TFRecord file '
-              f'({damaged.group(0)}): restore them, or use the files of this '
-              'task (--cache_dir, --data_dir)')
-    non_finite = _NON_FINITE_DATA.search(str(link))
-    if non_finite:
-      return (f'the task\'s data files hold {non_finite.group(1)} '
-              f'({non_finite.group(2)}): they are damaged or not the files '
-              'of this task (--cache_dir, --data_dir)')
-    label = _LABEL_OUT_OF_RANGE.search(str(link))
-    if label:
-      return (f'the task\'s data files hold a label the model has no class '
-              f'for ({label.group(0)}): they are damaged or not the files of '
-              'this task (--cache_dir, --data_dir)')
+    for pattern, message in _BAD_DATA:
+      match = pattern.search(str(link))
+      if match:
+        return message(match)
   return None
 
 

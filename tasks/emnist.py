@@ -66,11 +66,17 @@ def _parse_examples(serialized: tf.Tensor) -> collections.OrderedDict:
       'pixels': tf.io.FixedLenFeature(IMAGE_SHAPE, tf.float32),
       'label': tf.io.FixedLenFeature([], tf.int64),
   })
+  return _with_finite_pixels(collections.OrderedDict(
+      label=tf.cast(features['label'], tf.int32), pixels=features['pixels']))
+
+
+def _with_finite_pixels(example):
   # A NaN or infinite pixel (a damaged file) would train silently: every
-  # client it reaches is dropped as non-finite, and the metrics are NaN.
-  pixels = tf.debugging.check_numerics(features['pixels'], NON_FINITE_PIXELS)
+  # client it reaches is dropped as non-finite, and the metrics are NaN (in
+  # the test split: evaluation reported NaN and exited 0).
   return collections.OrderedDict(
-      label=tf.cast(features['label'], tf.int32), pixels=pixels)
+      example, pixels=tf.debugging.check_numerics(example['pixels'],
+                                                  NON_FINITE_PIXELS))
 
 
 def _serialize(label: int, pixels: np.ndarray) -> bytes:
@@ -256,7 +262,8 @@ def build_task(config: base.DataConfig) -> base.Task:
     return base.client_batches(examples, config, seed).map(_to_batch)
 
   def eval_datasets():
-    return {'': test_examples().batch(config.eval_batch_size).map(_to_batch)}
+    return {'': test_examples().map(_with_finite_pixels).batch(
+        config.eval_batch_size).map(_to_batch)}
 
   def probabilities(logits):
     return {'logits': logits, 'probabilities': tf.nn.softmax(logits),

@@ -42,7 +42,12 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
       try:
         if len(fields) != 4:
           raise ValueError(f'{len(fields)} fields')
-        rows.append([int(field) for field in fields])
+        row = [int(field) for field in fields]
+        too_large = [f for f, v in zip(fields, row) if abs(v) >= 2**63]
+        if too_large:
+          raise ValueError(f'{too_large[0].strip()} is beyond a 64-bit '
+                           'integer')
+        rows.append(row)
       except ValueError as e:
         raise UsageError(f'{path}:{line_number} is not in the {name} format '
                          f'({layout}): {e}') from e

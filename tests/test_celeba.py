@@ -9,6 +9,7 @@ from pipeline.errors import UsageError
 from tasks import base
 from tasks import celeba
 from tasks import registry
+from tests import celeba_fixture
 from tests.celeba_fixture import write_celeba_sqlite
 
 
@@ -221,10 +222,34 @@ def test_a_pixel_outside_0_255_is_an_error_not_wrapped():
   np.testing.assert_array_equal(narrowed['image'], [[[0, 17, 255]]])
 
 
-def test_unparsable_examples_end_training_with_one_error_line(tmp_path):
-  # A celeba.sqlite of the right schema whose examples are not Example
-  # protos: the worker finds it while training, TF's error comes back
-  # through gRPC, and the run ends as bad input, not with a traceback.
+def _example_with(**features) -> bytes:
+  """A CelebA Example whose features are `features` (lists of ints or
+  floats), the other attributes 0."""
+  values = {name: [0] for name in celeba_fixture.ATTRIBUTES}
+  values['image'] = [0] * (84 * 84 * 3)
+  values.update(features)
+  return tf.train.Example(features=tf.train.Features(feature={
+      name: (tf.train.Feature(float_list=tf.train.FloatList(value=value))
+             if isinstance(value[0], float) else
+             tf.train.Feature(int64_list=tf.train.Int64List(value=value)))
+      for name, value in values.items() if value is not None
+  })).SerializeToString()
+
+
+@pytest.mark.parametrize('record,found', [
+    (b'not an example proto', 'Could not parse example input'),
+    (_example_with(image=[0] * 100), "Key: image.  Can't parse serialized "
+     'Example'),
+    (_example_with(smiling=None), 'Feature: smiling (data type: int64) is '
+     'required but could not be found'),
+    (_example_with(image=[0.5] * (84 * 84 * 3)), "Key: image.  Data types "
+     "don't match"),
+], ids=['not_a_proto', 'wrong_shape', 'missing_feature', 'wrong_dtype'])
+def test_unparsable_examples_end_training_with_one_error_line(
+    tmp_path, record, found):
+  # A celeba.sqlite of the right schema whose examples are not the task's
+  # Example protos: the worker finds it while training, TF's error comes
+  # back through gRPC, and the run ends as bad input, not with a traceback.
   import sqlite3  # pylint: disable=g-import-not-at-top
   from tasks import client_database  # pylint: disable=g-import-not-at-top
   from tests import fault_testlib  # pylint: disable=g-import-not-at-top
@@ -233,7 +258,7 @@ def test_unparsable_examples_end_training_with_one_error_line(tmp_path):
     for split in ('split_by_clients_train', 'split_by_clients_test'):
       for client in ('1', '2'):
         client_database.insert_client_examples(
-            connection, split, client, [b'not an example proto'] * 3)
+            connection, split, client, [record] * 3)
   result = fault_testlib.run_binary(
       'binaries.train', '--task=celeba_smile', '--algorithm=fedavg',
       '--celeba_mode=federated', f'--cache_dir={tmp_path}',
@@ -243,8 +268,8 @@ def test_unparsable_examples_end_training_with_one_error_line(tmp_path):
   assert 'Traceback' not in result.stderr
   assert result.stderr.strip().splitlines()[-1] == (
       "error: the task's data files hold records that cannot be parsed "
-      '(Could not parse example input): they are damaged or not the files '
-      'of this task (--cache_dir, --data_dir)')
+      f'({found}): they are damaged or not the files of this task '
+      '(--cache_dir, --data_dir)')
 
 
 def test_a_central_batch_beyond_the_memory_is_a_usage_error(cache_dir):

@@ -320,3 +320,39 @@ def test_usage_errors(tmp_path, data_dir, cache_dir):
     cifar.build_cifar10(_config(data_dir, cache_dir, dirichlet_alpha=0.0))
   with pytest.raises(UsageError, match='--num_clients=100'):
     cifar.build_cifar10(_config(data_dir, cache_dir, num_clients=100))
+
+
+def _drop_half_the_records(path):
+  records = list(tf.data.TFRecordDataset(str(path)).as_numpy_iterator())
+  with tf.io.TFRecordWriter(str(path)) as writer:
+    for record in records[:len(records) // 2]:
+      writer.write(record)
+
+
+@pytest.mark.parametrize('damage,found', [
+    (os.remove, 'is missing: {shard} (No such file or directory)'),
+    (_drop_half_the_records, 'hold fewer records than their metadata says '
+     '(Input dataset was expected to contain'),
+    (lambda path: open(path, 'wb').close(), 'hold fewer records than their '
+     'metadata says (Input dataset was expected to contain'),
+], ids=['deleted', 'records_dropped', 'emptied'])
+def test_a_damaged_tfds_shard_is_one_error_line(data_dir, tmp_path, damage,
+                                                found):
+  """Each was a traceback of 50 lines."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  copy = tmp_path / 'tfds'
+  shutil.copytree(data_dir, copy)
+  (shard,) = copy.glob('cifar10/*/*train.tfrecord-00000-of-*')
+  damage(shard)
+  done = subprocess.run(
+      [sys.executable, '-m', 'binaries.train', '--task=cifar10',
+       '--algorithm=fedavg', f'--data_dir={copy}',
+       f'--cache_dir={tmp_path / "cache"}', '--runtime=native',
+       '--model=resnet8', '--model_width=0.125', f'--num_clients={NUM_CLIENTS}',
+       '--client_steps=1', '--total_rounds=1', '--experiment_name=bad',
+       f'--root_output_dir={tmp_path / "runs"}'],
+      cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 2, done.stderr[-3000:]
+  assert 'Traceback' not in done.stderr, done.stderr[-3000:]
+  (line,) = done.stderr.strip().splitlines()
+  assert found.format(shard=shard) in line, line

@@ -215,6 +215,21 @@ def test_damaged_databases_are_usage_errors(tmp_path, parts, label_of,
   assert str(raised.value) == message.format(db=db)
 
 
+def _write_with_pixel(directory, split_name, value):
+  """The fixture's EMNIST file with one pixel of `split_name` set to
+  `value`."""
+  _write_emnist_sqlite(str(directory))
+  with sqlite3.connect(directory / 'emnist_all.sqlite') as connection:
+    (rowid, blob), = connection.execute(
+        'SELECT rowid, serialized_example_proto FROM examples WHERE '
+        'split_name = ? LIMIT 1', (split_name,)).fetchall()
+    example = tf.train.Example.FromString(blob)
+    example.features.feature['pixels'].float_list.value[5] = value
+    connection.execute(
+        'UPDATE examples SET serialized_example_proto = ? WHERE rowid = ?',
+        (example.SerializeToString(), rowid))
+
+
 @pytest.mark.parametrize('value, found', [(np.nan, 'NaN'), (np.inf, 'Inf')])
 def test_a_pixel_that_is_not_finite_is_bad_data(tmp_path, value, found):
   # It trained silently: each client it reached was dropped as non-finite
@@ -222,16 +237,7 @@ def test_a_pixel_that_is_not_finite_is_bad_data(tmp_path, value, found):
   # this process (the native runtime, evaluation) or in a TFF worker, and
   # the binaries print one line for it.
   from binaries import app  # pylint: disable=import-outside-toplevel
-  _write_emnist_sqlite(str(tmp_path))
-  with sqlite3.connect(tmp_path / 'emnist_all.sqlite') as connection:
-    (rowid, blob), = connection.execute(
-        "SELECT rowid, serialized_example_proto FROM examples WHERE "
-        "split_name = 'all_train' LIMIT 1").fetchall()
-    example = tf.train.Example.FromString(blob)
-    example.features.feature['pixels'].float_list.value[5] = value
-    connection.execute(
-        'UPDATE examples SET serialized_example_proto = ? WHERE rowid = ?',
-        (example.SerializeToString(), rowid))
+  _write_with_pixel(tmp_path, 'all_train', value)
   task = emnist.build_task(_config(str(tmp_path), similarity=100.0))
   errors = []
   for client_id in task.train_client_ids:
@@ -244,3 +250,41 @@ def test_a_pixel_that_is_not_finite_is_bad_data(tmp_path, value, found):
       "the task's data files hold EMNIST pixels that are not finite "
       f'({found}): they are damaged or not the files of this task '
       '(--cache_dir, --data_dir)')
+
+
+@pytest.mark.parametrize('value', [np.nan, np.inf])
+def test_a_test_pixel_that_is_not_finite_is_bad_data(tmp_path, value):
+  # Evaluation reported a NaN loss and the run exited 0.
+  from binaries import app  # pylint: disable=import-outside-toplevel
+  _write_with_pixel(tmp_path, 'all_test', value)
+  task = emnist.build_task(_config(str(tmp_path), similarity=100.0))
+  with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+    for dataset in task.eval_datasets_fn().values():
+      list(dataset)
+  assert app.bad_data_message(raised.value).startswith(
+      "the task's data files hold EMNIST pixels that are not finite")
+
+
+def test_a_damaged_cached_partition_is_bad_data(tmp_path):
+  """Its fingerprint still readable, the partition is reused; its clients'
+  reads failed with a traceback (and again on every re-run)."""
+  from binaries import app  # pylint: disable=import-outside-toplevel
+  _write_emnist_sqlite(str(tmp_path))
+  emnist.build_task(_config(str(tmp_path), similarity=100.0))
+  (partition,) = (tmp_path / 'partitions').glob('*.sqlite')
+  size = partition.stat().st_size
+  with open(partition, 'r+b') as f:
+    f.seek(size // 2)
+    f.write(np.random.default_rng(0).bytes(size // 4))
+  task = emnist.build_task(_config(str(tmp_path), similarity=100.0))
+  with pytest.raises(tf.errors.OpError) as raised:
+    for client_id in task.train_client_ids:
+      list(task.client_dataset_computation(client_id, 1))
+  assert app.bad_data_message(raised.value) == (
+      "the task's data files hold a damaged SQLite file (database disk image "
+      'is malformed): restore it; a partition this project made '
+      '(<--cache_dir>/partitions/*.sqlite) is made again once deleted')
+  partition.unlink()
+  task = emnist.build_task(_config(str(tmp_path), similarity=100.0))
+  for client_id in task.train_client_ids:
+    list(task.client_dataset_computation(client_id, 1))

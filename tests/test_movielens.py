@@ -5,6 +5,7 @@ and of the fedavg baseline."""
 import collections
 import csv
 import os
+import re
 
 import numpy as np
 import pytest
@@ -99,6 +100,13 @@ def test_bad_directories_and_files_are_usage_errors(tmp_path):
   with pytest.raises(UsageError, match='has movie id 99999999999: ids index '
                      'the embedding tables, so they must be at most 10000000'):
     build(str(tmp_path / 'huge'))
+  # Beyond int64 it was an OverflowError traceback.
+  _write(tmp_path / 'beyond', 'u.data', ['1\t2\t3\t4',
+                                        '1\t99999999999999999999\t3\t4'])
+  with pytest.raises(UsageError, match=re.escape(
+      'u.data:2 is not in the u.data format (user<TAB>item<TAB>rating<TAB>'
+      'timestamp): 99999999999999999999 is beyond a 64-bit integer')):
+    build(str(tmp_path / 'beyond'))
 
 
 def test_users_of_one_rating_each_are_a_usage_error(tmp_path):
