@@ -76,6 +76,7 @@ from benchmarks import report
 from binaries import process_memory
 from pipeline import interrupts
 from pipeline import tff_runtime
+from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 # Imported before absl parses flags: TF imported later, inside main, builds
 # Keras models as if executing eagerly and fails.
@@ -613,6 +614,11 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
         child.kill()
     shutil.rmtree(output_dir, ignore_errors=True)
   results = [l for l in stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+  refusal = [l for l in stderr.splitlines() if l.startswith('error: ')]
+  if child.returncode in (2, 3) and refusal:
+    # The child's one line (e.g. a batch beyond the memory), as its own.
+    fault = UsageError if child.returncode == 2 else EnvironmentFault
+    raise fault(refusal[-1][len('error: '):])
   if child.returncode or not results:
     raise RuntimeError(f'{" ".join(command)} failed ({child.returncode}):\n'
                        + stderr[-3000:])
@@ -669,7 +675,8 @@ def run_parent() -> None:
   # RuntimeError traceback around its error line.
   for flag, minimum in ((_CLIENT_STEPS, 1), (_CLIENT_BATCH_SIZE, 1),
                         (_NUM_WORKERS, 1), (_CLIENTS_PER_GROUP, 0),
-                        (_BOUND_THREADS, 0)):
+                        (_BOUND_THREADS, 0), (_CLIENTS_PER_SUBROUND, 0),
+                        (_NAIVE_MAX_CLIENTS, 0)):
     if flag.value < minimum:
       raise UsageError(f'--{flag.name} must be >= {minimum}, got {flag.value}')
   if _RUN_ROOT.value is not None and not (

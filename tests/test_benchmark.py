@@ -54,10 +54,23 @@ def test_quick_run_prints_the_ratios_line(rounds):
     ('--client_batch_size=0', '--client_batch_size must be >= 1, got 0'),
     ('--num_workers=0', '--num_workers must be >= 1, got 0'),
     ('--clients_per_group=-1', '--clients_per_group must be >= 0, got -1'),
+    # Both were accepted (the naive baseline still ran).
+    ('--clients_per_subround=-5', '--clients_per_subround must be >= 0, got '
+     '-5'),
+    ('--naive_max_clients=-1', '--naive_max_clients must be >= 0, got -1'),
 ])
 def test_impossible_values_are_one_clear_error(rounds, flag, message):
   result = rounds('--quick', flag)
   assert (result.returncode, result.stderr) == (2, f'error: {message}\n')
+
+
+def test_a_measuring_childs_refusal_is_its_one_line(rounds):
+  # A RuntimeError traceback around the child's error line.
+  result = rounds('--quick', '--modes=native', '--sweep_algorithms=fedavg',
+                  '--client_batch_size=3000000000')
+  assert result.returncode == 2, result.stderr[-3000:]
+  (line,) = result.stderr.strip().splitlines()
+  assert line.startswith('error: --client_batch_size=3000000000 '), line
 
 
 def test_unknown_mode_is_one_clear_error(rounds):
