@@ -74,6 +74,12 @@ def server_context():
 
 # A local worker that neither answers nor exits within this is given up on.
 WORKER_START_SECONDS = 60
+# A local worker that dies more often than this within the window ends the
+# run: TFF retries a round's calls on a restarted worker without end, so a
+# crash that comes back on every retry (a fault in a TF kernel, the kernel's
+# OOM killer) would loop forever. One death now and then is survived.
+WORKER_DEATHS_ALLOWED = 3
+WORKER_DEATH_WINDOW_SECONDS = 600
 # How long a --worker_addresses address may take to accept a connection.
 REMOTE_CONNECT_SECONDS = 10
 
@@ -263,6 +269,7 @@ class _LocalWorker:
     self._process: Optional[subprocess.Popen] = None
     self._stub = None
     self._lock = threading.Lock()
+    self._deaths: list[float] = []
     _local_workers.add(self)
 
   def stub(self):
@@ -270,8 +277,25 @@ class _LocalWorker:
     with self._lock:
       if self._stub is not None and self._stub.is_ready:
         return self._stub
+      status = self._process.poll() if self._process is not None else None
       self._stop()  # Not ready: the worker died; TFF restarts it too.
+      if status is not None:
+        self._count_death(status)
       return self._start()
+
+  def _count_death(self, status: int) -> None:
+    from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
+    now = time.monotonic()
+    self._deaths = [t for t in self._deaths
+                    if now - t < WORKER_DEATH_WINDOW_SECONDS] + [now]
+    if len(self._deaths) > WORKER_DEATHS_ALLOWED:
+      how = (f'signal {signal.Signals(-status).name}' if status < 0 else
+             f'status {status}')
+      raise EnvironmentFault(
+          f'the TFF worker {self._binary_path} died {len(self._deaths)} '
+          f'times within {WORKER_DEATH_WINDOW_SECONDS} s, the last with '
+          f'{how} (see its messages above); re-run the same command to '
+          'resume')
 
   def _start(self):
     import grpc  # pylint: disable=g-import-not-at-top

@@ -460,6 +460,38 @@ def test_worker_that_does_not_start_is_an_error_within_seconds(
               if str(binary) in ' '.join(p.cmdline()) and alive(p)]
 
 
+def test_a_worker_that_keeps_dying_ends_the_run(monkeypatch,
+                                                restore_default_context):
+  """TFF retries a call on a restarted worker without end: a worker that
+  crashed on every retry (a TF kernel's fault) looped for good. One death is
+  survived; more than WORKER_DEATHS_ALLOWED in the window end the run."""
+  del restore_default_context
+  monkeypatch.setattr(tff_runtime, 'WORKER_DEATHS_ALLOWED', 2)
+  tff.framework.set_default_context(tff_runtime.local_worker_context())
+  add = add_one()
+  assert add(1) == 2
+
+  def crash_worker():
+    (worker,) = [p for p in psutil.Process().children(recursive=True)
+                 if 'worker_binary' in ' '.join(p.cmdline())]
+    worker.send_signal(signal.SIGSEGV)
+    deadline = time.monotonic() + 30
+    # Dead but not reaped: its status is the runtime's to read.
+    while worker.status() != psutil.STATUS_ZOMBIE:
+      assert time.monotonic() < deadline
+      time.sleep(0.05)
+
+  for _ in range(2):
+    crash_worker()
+    assert add(1) == 2  # Restarted.
+  crash_worker()
+  with pytest.raises(EnvironmentFault, match=(
+      r'the TFF worker .*worker_binary died 3 times within 600 s, the last '
+      r'with signal SIGSEGV \(see its messages above\); re-run the same '
+      'command to resume')):
+    add(1)
+
+
 class _GrpcError(Exception):
   """Stands for grpc's `_InactiveRpcError` (a module's class, by name)."""
 
