@@ -11,9 +11,12 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from pipeline import driver
 from pipeline.errors import UsageError
@@ -138,6 +141,51 @@ def test_export_serves_each_clients_personalized_model(two_round_run, task,
   assert not fedres_export.local_weights_for(export_dir, unseen)[1]
   with pytest.raises(UsageError, match='not the export of a FedRes run'):
     fedres_export.PersonalizedServer(str(root))
+
+
+def test_concurrent_calls_take_turns(two_round_run, monkeypatch):
+  """The signature writes a client's theta into the local model's variables
+  and reads them back: calls from several threads read each other's theta
+  (1-2 wrong predictions in 1600 calls from 8 threads). The server's calls
+  take turns; here a stand-in signature widens the window between its write
+  and its read to make a race certain."""
+  root, _ = two_round_run
+  server = fedres_export.PersonalizedServer(
+      os.path.join(root, 'run', 'export'))
+  shared = {}
+
+  def signature(local_weights, **inputs):
+    del inputs
+    shared['theta'] = local_weights.numpy()
+    time.sleep(0.002)
+    return {'theta': tf.constant(shared['theta'])}
+
+  server._signature = signature  # pylint: disable=protected-access
+  # Each client a theta of its own.
+  monkeypatch.setattr(
+      fedres_export, 'local_weights_for',
+      lambda export_dir, client_id, size: (
+          np.full([size], float(client_id), np.float32), True))
+  clients = [str(i) for i in range(8)]
+  x = np.zeros([1, 10], np.float32)
+  expected = {c: np.full([20], float(c), np.float32) for c in clients}
+  wrong = []
+
+  def calls(client_id):
+    try:
+      for _ in range(20):
+        if not np.array_equal(server(client_id, x)['theta'],
+                              expected[client_id]):
+          wrong.append(client_id)
+    except Exception as e:  # pylint: disable=broad-except
+      wrong.append(e)
+
+  threads = [threading.Thread(target=calls, args=(c,)) for c in clients]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert not wrong
 
 
 def test_export_serves_what_fit_unseen_evaluation_measured(tmp_path, task):

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import sqlite3
+import threading
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -208,6 +209,13 @@ class PersonalizedServer:
                        f'{" ".join(str(e).split())[:200]})') from e
     input_specs = dict(self._signature.structured_input_signature[1])
     self._local_size = input_specs.pop('local_weights').shape[0]
+    # The signature writes the client's theta into the local model's
+    # variables, then reads them: two calls at once could each read the
+    # other's theta (measured: 1-2 wrong predictions in 1600 calls from 8
+    # threads). A SavedModel cannot hold a lock (tf.CriticalSection is not
+    # saved), so calls through this server take turns; a model server that
+    # loads `personalized/` itself must not run its calls concurrently.
+    self._one_call_at_a_time = threading.Lock()
     (self._input_name, self._input_spec), = input_specs.items()
 
   def check_inputs(self, inputs) -> None:
@@ -248,14 +256,16 @@ class PersonalizedServer:
     local_weights, own_model = local_weights_for(
         self._export_dir, client_id, self._local_size)
     try:
-      outputs = self._signature(**{
-          self._input_name: tf.constant(inputs, self._input_spec.dtype),
-          'local_weights': tf.constant(local_weights)})
+      with self._one_call_at_a_time:
+        outputs = self._signature(**{
+            self._input_name: tf.constant(inputs, self._input_spec.dtype),
+            'local_weights': tf.constant(local_weights)})
+        outputs = {name: value.numpy() for name, value in outputs.items()}
     except tf.errors.InvalidArgumentError as e:
       # E.g. a movie id beyond the embedding table: TF's traceback.
       raise InputError(f'the model cannot take these inputs ('
                        f'{_op_error_detail(e)})') from e
-    return {name: value.numpy() for name, value in outputs.items()}, own_model
+    return outputs, own_model
 
 
 def serve_personalized(export_dir: str, client_id: str,
