@@ -84,6 +84,9 @@ class RunConfig:
   def validate(self, num_train_clients: int) -> None:
     if self.total_rounds < 1:
       raise UsageError(f'--total_rounds must be >= 1, got {self.total_rounds}')
+    if num_train_clients == 0:
+      raise UsageError('the task has no train clients (its data hold none '
+                       'with training examples)')
     if not 1 <= self.clients_per_round <= num_train_clients:
       raise UsageError(
           f'--clients_per_round={self.clients_per_round} is impossible: the '

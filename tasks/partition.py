@@ -36,6 +36,9 @@ def similarity_partition(labels: np.ndarray, num_clients: int,
   if labels.ndim != 1:
     raise ValueError(f'labels must be one-dimensional, got shape {labels.shape}')
   num_examples = labels.shape[0]
+  if num_examples == 0:
+    raise UsageError('the task\'s data hold no training examples to deal to '
+                     f'--num_clients={num_clients} clients')
   if not 1 <= num_clients <= num_examples:
     raise UsageError(f'--num_clients={num_clients} is impossible for '
                      f'{num_examples} examples (allowed: 1..{num_examples})')

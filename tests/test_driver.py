@@ -127,6 +127,10 @@ def test_impossible_run_config_is_a_usage_error(fedavg, task, tmp_path):
         task.num_train_clients)
   with pytest.raises(UsageError, match='total_rounds'):
     driver.RunConfig(str(tmp_path), 'x', 0, 1).validate(10)
+  # It said "(allowed: 1..0)".
+  with pytest.raises(UsageError, match=r'^the task has no train clients '
+                     r'\(its data hold none with training examples\)$'):
+    driver.RunConfig(str(tmp_path), 'x', 1, 1).validate(0)
 
 
 def test_smaller_total_rounds_than_checkpoint_is_refused(fedavg, task,

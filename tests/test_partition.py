@@ -91,3 +91,10 @@ def test_deterministic_in_seed():
 def test_bad_arguments_name_the_flag(num_clients, similarity, flag):
   with pytest.raises(UsageError, match=flag):
     partition.similarity_partition(_labels(), num_clients, similarity, seed=0)
+
+
+def test_no_examples_is_named_as_such():
+  # It said "impossible for 0 examples (allowed: 1..0)".
+  with pytest.raises(UsageError, match=r'^the task\'s data hold no training '
+                     r'examples to deal to --num_clients=4 clients$'):
+    partition.similarity_partition(np.zeros([0], np.int64), 4, 0.0, seed=0)

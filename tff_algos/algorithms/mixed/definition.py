@@ -4,7 +4,8 @@ Gradient Transfer ([MixedFL] Algorithms 1 and 2, Appendix A).
 The math is in `math`. The central work runs at the server on the round's
 central batches (or on a data-free central loss), once per round: for 1-w GT
 before the clients (its gradient g_c is broadcast with x), for PT and 2-w GT
-with the server update.
+alongside the clients' work (it starts from the same x and does not depend on
+their results), its update merged with theirs at the server.
 
   server state  <global_model_weights=x, server_optimizer[, merge_optimizer]
                  [, gtilde_c, gtilde_f]>      (augmenting gradients: 2-w GT)
