@@ -1,4 +1,4 @@
-"""absl binaries: train, evaluate, export, plot, benchmark."""
+"""absl binaries: train, evaluate, export, plot, serve_personalized, benchmark."""
 
 import sys
 

@@ -8,10 +8,10 @@ then prints a table of eval AUC / loss and writes the AUC and loss curves
 (binaries.plot).
 
   # Synthetic CelebA-format data (no download):
-  python experiments/celeba_mixed.py --use_synthetic_data --total_rounds=30 \
+  python -m experiments.celeba_mixed --use_synthetic_data --total_rounds=30 \
       --root_output_dir=/tmp/celeba_mixed --plot_prefix=docs/celeba_mixed_synthetic
   # Real TFF CelebA (cache_dir holds celeba.sqlite):
-  python experiments/celeba_mixed.py --cache_dir=~/.tff --total_rounds=1000 \
+  python -m experiments.celeba_mixed --cache_dir=$HOME/.tff --total_rounds=1000 \
       --root_output_dir=runs/celeba_mixed --plot_prefix=runs/celeba_mixed/fig
 
 Runs that already have a checkpoint resume (same flags, more rounds).

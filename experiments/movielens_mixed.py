@@ -13,7 +13,7 @@ computes and sends; see docs/movielens.md), with the reductions relative to
 the baseline and whether the acceptance target holds (recall@10 within 10%
 of the baseline's, at least 90% less client computation and communication).
 
-  python experiments/movielens_mixed.py \
+  python -m experiments.movielens_mixed \
       --movielens_dir=DIR \
       --root_output_dir=/tmp/movielens_mixed --total_rounds=200 \
       --rounds_per_eval=20 --clients_per_round=20

@@ -8,8 +8,8 @@ uniform client weights and eta_s = 1 as in the paper, for each K of a sweep and
 each client learning rate of a grid. Then prints, per (algorithm, K, eta), the
 global model's training loss (`eval_train/loss`, the objective f(x) over all
 1500 images) after the last round, the test accuracy, and the first round at
-which the training loss reached `--target_loss`; and checks the two claims of
-the issue:
+which the training loss reached `--target_loss`; and checks two claims of
+[SCAFFOLD] (docs/scaffold.md, docs/references.md):
   1. SCAFFOLD reaches a lower training loss than FedAvg after the same rounds
      (for every K, at each algorithm's best learning rate of the grid);
   2. FedAvg gets worse as K grows while SCAFFOLD does not: the verdict at each
