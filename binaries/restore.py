@@ -135,8 +135,10 @@ def load_checkpoint(task) -> Checkpoint:
 
 
 def _client_state_dir() -> str:
-  return FLAGS.client_state_dir or os.path.join(run_dir(),
-                                                driver.CLIENT_STATE_DIR)
+  directory = FLAGS.client_state_dir or os.path.join(run_dir(),
+                                                     driver.CLIENT_STATE_DIR)
+  driver.require_readable_store(directory, run_dir())
+  return directory
 
 
 def client_states(checkpoint: Checkpoint, task):

@@ -390,6 +390,22 @@ def _require_own_store(directory: str, run_dir: str) -> None:
           'otherwise give the run an empty or new directory')
 
 
+def require_readable_store(directory: str, run_dir: str) -> None:
+  """UsageError if the store `directory`, read for the run `run_dir`
+  (evaluate, export), is marked as another run's that still exists: its
+  files can pass every check (same clients, rounds and sizes) and give that
+  run's client states. A mark naming a directory that is gone is a moved
+  run's own store."""
+  if _is_default_store(directory, run_dir):
+    return
+  owner = _store_owner(os.path.realpath(directory))
+  if (owner is not None and owner != os.path.realpath(run_dir) and
+      os.path.isdir(owner)):
+    raise UsageError(f'the client-state store {directory} '
+                     f'(--client_state_dir) is the store of the run {owner}, '
+                     f'not of {run_dir}; name this run\'s store')
+
+
 def mark_store_directory(directory: str, run_dir: str) -> None:
   """Marks a store outside the run directory (--client_state_dir) as the
   run's (its real path), which `_require_own_store` checks for other runs.

@@ -521,6 +521,19 @@ CASES = [
          'flags make [2]); use the flags it was trained with, or delete it '
          'to resume from an earlier one',
          setup=edit_hparams('fedres', task='fedres_toy')),
+    # Another run's store (its .owner names that run) passed the file checks
+    # when both runs sampled the same clients: evaluate reported, and export
+    # paired this run's model with, the other run's client states.
+    *[Case(f'client_state_dir_of_another_run_in_{binary}', binary,
+           lambda p: ['--experiment_name=fedres', f'--root_output_dir={p.root}',
+                      f'--client_state_dir={p.root}/store'],
+           lambda p: f'the client-state store {p.root}/store '
+           f'(--client_state_dir) is the store of the run '
+           f'{os.path.realpath(p.base)}, not of {p.fedres}; name this run\'s '
+           'store',
+           setup=lambda p: in_new_directory(
+               'store', '.owner', os.path.realpath(p.base) + '\n')(p))
+      for binary in ('evaluate', 'export')],
     Case('hparams_wrong_type', 'export', of_base(),
          lambda p: f'{p.base}/hparams.json: seed=\'abc\' is not a valid '
          "--seed (invalid literal for int() with base 10: 'abc')",
