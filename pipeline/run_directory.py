@@ -135,12 +135,16 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   return path
 
 
+# What a refused second process on a run is told to do instead of waiting.
+_RUN_IN_USE_ADVICE = 'use another --experiment_name'
+
+
 class RunLock:
   """Exclusive use of a run directory by this process (see module doc)."""
 
   def __init__(self, run_dir: str, writable: bool = True,
                lock_file: str = LOCK_FILE,
-               when_busy: str = 'use another --experiment_name'):
+               when_busy: str = _RUN_IN_USE_ADVICE):
     """`writable`: open the lock file for writing, so that a run directory
     this process cannot write is an error at once (training); otherwise a
     read-only run can be locked (exporting elsewhere). `lock_file` and
@@ -235,7 +239,7 @@ def remove_unwritten(run_dir: str, before: Optional[frozenset],
 
 @contextlib.contextmanager
 def locked(run_dir: str, writable: bool = True, lock_file: str = LOCK_FILE,
-           when_busy: str = 'use another --experiment_name'
+           when_busy: str = _RUN_IN_USE_ADVICE
            ) -> Iterator[None]:
   """`RunLock(run_dir, ...)` held for the block; a block that fails having
   written nothing but the lock file and empty directories leaves the

@@ -287,7 +287,8 @@ class Wikipedia:
                        'prepare the dataset again')
     # A damaged file fails here, as the binaries report it
     # (binaries.app.bad_data_message).
-    if not any(True for _ in self.eval_articles(held_out=False).take(1)):
+    central = self._articles_once().filter(_is_wikipedia_train_article)
+    if not any(True for _ in central.take(1)):
       raise UsageError(
           f'{where} holds no article for the central data: all '
           f'{sum(self._shard_lengths)} are held out for evaluation (1 title '
@@ -326,16 +327,15 @@ class Wikipedia:
                                          features.deserialize_example)
     return articles.filter(_is_wikipedia_train_article)
 
-  def eval_articles(self, held_out: bool = True) -> tf.data.Dataset:
-    """The held-out articles in a fixed order (`held_out=False`: the others,
-    once)."""
+  def _articles_once(self) -> tf.data.Dataset:
+    """Every article, once, in a fixed order."""
     if self._synthetic:
-      articles = tf.data.Dataset.from_tensor_slices(self._articles)
-    else:
-      articles = tfds.load(WIKIPEDIA, split='train', data_dir=self._data_dir,
-                           download=False, shuffle_files=False)
-    return articles.filter(_is_wikipedia_eval_article if held_out else
-                           _is_wikipedia_train_article)
+      return tf.data.Dataset.from_tensor_slices(self._articles)
+    return tfds.load(WIKIPEDIA, split='train', data_dir=self._data_dir,
+                     download=False, shuffle_files=False)
+
+  def eval_articles(self) -> tf.data.Dataset:
+    return self._articles_once().filter(_is_wikipedia_eval_article)
 
 
 # --- Model -----------------------------------------------------------------

@@ -1,3 +1,4 @@
-"""Federated algorithms: TF math (`math.py`) and round definitions (`definition.py`), run by `runtime`."""
+"""Federated algorithms: TF math (`math.py`) and round definitions
+(`definition.py`), run by `runtime`."""
 
 import pipeline  # noqa: F401  (stops TFF's workers at exit)
