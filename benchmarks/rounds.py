@@ -1,4 +1,4 @@
-"""Cost of a round: this project's runtimes vs naive TFF vs plain TF.
+r"""Cost of a round: this project's runtimes vs naive TFF vs plain TF.
 
 On a CelebA-shaped synthetic task (84x84x3 images, flatten + Dense(64, relu)
 + Dense(1), 1.35M parameters; K=--client_steps local steps of

@@ -1,4 +1,4 @@
-"""Curves of one metric against rounds for several runs, in one PNG.
+r"""Curves of one metric against rounds for several runs, in one PNG.
 
   python -m binaries.plot runs/mixed_pt runs/mixed_1wgt runs/fl_only \
       --metric=eval/auc --output=auc.png

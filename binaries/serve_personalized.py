@@ -1,4 +1,4 @@
-"""Serves one client's personalized prediction from a FedRes export.
+r"""Serves one client's personalized prediction from a FedRes export.
 
   python -m binaries.serve_personalized --export_dir=runs/demo/export \
       --client_id=42 --inputs_npy=inputs.npy

@@ -1,4 +1,4 @@
-"""Trains one algorithm on one task; resumes from the run's checkpoints.
+r"""Trains one algorithm on one task; resumes from the run's checkpoints.
 
   python -m binaries.train --task=celeba_smile --algorithm=fedavg \
       --experiment_name=demo --use_synthetic_data --total_rounds=3

@@ -1,4 +1,4 @@
-"""Fig. 1a / 2a of [MixedFL] on celeba_smile: mixed FL vs. FL only vs. oracle.
+r"""Fig. 1a / 2a of [MixedFL] on celeba_smile: mixed FL vs. FL only vs. oracle.
 
 Runs, through `binaries.train` with the task's paper defaults ([MixedFL] App. C.2):
   fl_only   FedAvg on the federated (smiling) data alone

@@ -1,4 +1,4 @@
-"""FedPVR's claims on Dirichlet-partitioned digits ([FedPVR] Sec. 4, Tables 2-3).
+r"""FedPVR's claims on Dirichlet-partitioned digits ([FedPVR] Sec. 4, Tables 2-3).
 
 Runs `binaries.train` on `--task=digits --model=cnn` (scikit-learn's 8x8
 digits, 1500 training images dealt to 10 clients by FedDF's Dirichlet(alpha)

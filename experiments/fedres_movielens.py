@@ -1,4 +1,4 @@
-"""FedResAvg-II vs FedAvg on MovieLens 100K ratings (task movielens_ratings).
+r"""FedResAvg-II vs FedAvg on MovieLens 100K ratings (task movielens_ratings).
 
   python -m experiments.fedres_movielens --movielens_dir=DIR \
       [--rounds 80] [--clients_per_round 30] [--root_output_dir DIR]

@@ -1,4 +1,4 @@
-"""[MixedFL] Sec. 5.3 on MovieLens: mixed FL vs. the baseline, recall@10 and
+r"""[MixedFL] Sec. 5.3 on MovieLens: mixed FL vs. the baseline, recall@10 and
 per-client communication and computation (Table 5).
 
 Runs, through `binaries.train --task=movielens` with the task's paper

@@ -1,4 +1,4 @@
-"""SCAFFOLD vs FedAvg on label-sorted digits ([SCAFFOLD] Sec. 7, Table 3 style).
+r"""SCAFFOLD vs FedAvg on label-sorted digits ([SCAFFOLD] Sec. 7, Table 3 style).
 
 Runs `binaries.train` on `--task=digits` (scikit-learn's 8x8 digits, 1500
 training images dealt to 100 clients with 0% similarity, i.e. label-sorted

@@ -1,5 +1,6 @@
 """The binaries as a user runs them: outputs, resume, errors, no leaked workers."""
 
+import ast
 import csv
 import json
 import os
@@ -229,3 +230,31 @@ def test_native_runtime_run_matches_tff_run(runs):
   assert evaluated.returncode == 0, evaluated.stderr[-3000:]
   assert '"eval/auc"' in evaluated.stdout
   assert not orphan_workers()
+
+
+def _docstring_joins_lines(path):
+  """Whether a module docstring has a backslash-newline that Python joins.
+
+  In a non-raw string a trailing backslash removes the line break, so a
+  usage example written over several lines prints as one line in --help.
+  """
+  with open(path, encoding='utf-8') as f:
+    source = f.read()
+  body = ast.parse(source).body
+  if not (body and isinstance(body[0], ast.Expr)
+          and isinstance(body[0].value, ast.Constant)
+          and isinstance(body[0].value.value, str)):
+    return False
+  literal = ast.get_source_segment(source, body[0])
+  return body[0].value.value.count('\n') < literal.count('\n')
+
+
+def test_usage_examples_keep_their_line_breaks():
+  modules = []
+  for package in ('binaries', 'experiments', 'benchmarks', 'scripts'):
+    for root, _, files in os.walk(os.path.join(REPO, package)):
+      modules += [os.path.join(root, f) for f in files if f.endswith('.py')]
+  assert len(modules) > 10
+  joined = [os.path.relpath(m, REPO) for m in modules
+            if _docstring_joins_lines(m)]
+  assert not joined, f'docstrings whose line breaks Python removes: {joined}'
