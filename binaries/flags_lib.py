@@ -37,7 +37,9 @@ flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
                      'Checkpoint every this many rounds.')
 # NumPy's legacy global seed (set with TF's) takes 32 bits.
-flags.DEFINE_integer('seed', 0, 'Seed of initialization, sampling and data.',
+flags.DEFINE_integer('seed', 0, 'Seed of initialization, sampling, data and '
+                     'the aggregators\' random draws (DP noise: a released '
+                     'model keeps its epsilon only if the seed is secret).',
                      lower_bound=0, upper_bound=2**32 - 1)
 flags.DEFINE_string('client_state_dir', None,
                     'Directory of the per-client states (SCAFFOLD/FedPVR c_i, '
@@ -163,9 +165,10 @@ flags.DEFINE_float('clip_norm', None,
                    '(unset: tff.learning\'s adaptive norm; inf: no clipping); '
                    'dp: the fixed clip the noise is scaled to (required).')
 flags.DEFINE_boolean('zeroing', None,
-                     'Zero out updates of extreme norm (tff.learning\'s '
-                     'adaptive zeroing; default: on, off for dp, whose '
-                     'guarantee does not cover its noise-free threshold).')
+                     'robust/compression/secure: zero out updates of extreme '
+                     'norm (tff.learning\'s adaptive zeroing; default: on). '
+                     'Not with dp: the DP guarantee does not cover its '
+                     'noise-free threshold.')
 flags.DEFINE_float('dp_noise_multiplier', None,
                    'dp: Gaussian noise stddev over --clip_norm (required).')
 flags.DEFINE_integer('dp_clients_per_round', None,
@@ -584,6 +587,12 @@ def aggregator_settings(task: task_base.Task) -> factories.AggregatorSettings:
                      f'apply to --aggregator={name}: it aggregates each '
                      'client\'s own update, one client per TFF client')
   if name == factories.DP:
+    if FLAGS['client_weighting'].present and (
+        FLAGS.client_weighting != 'uniform'):
+      raise UsageError(
+          f'--client_weighting={FLAGS.client_weighting} does not apply to '
+          '--aggregator=dp: its mean is unweighted (each clipped update '
+          'counts once); leave the flag out or pass uniform')
     if FLAGS.dp_clients_per_round is None:
       FLAGS.dp_clients_per_round = FLAGS.clients_per_round
     if FLAGS.dp_target_delta is None:
@@ -596,6 +605,21 @@ def aggregator_settings(task: task_base.Task) -> factories.AggregatorSettings:
            for field in ('aggregator',) + factories.FIELDS[name]})
   except settings_lib.SettingError as e:
     raise UsageError(f'--{e}') from e
+
+
+def fixed_on_resume() -> dict[str, str]:
+  """{flag: why} of the flags a run may not change on resume, even with
+  --allow_flag_changes: the aggregator's state (its clip and noise, quantile
+  estimates and counters) is in the checkpoints, and the privacy a DP run
+  logs is accounted over all its rounds with one noise multiplier, clip and
+  sampling rate."""
+  why = ('the checkpoints hold the aggregator\'s state, and a DP run\'s '
+         'epsilon covers all its rounds with one noise multiplier, clip and '
+         'sampling rate')
+  fixed = dict.fromkeys(('aggregator',) + AGGREGATOR_FLAGS, why)
+  if FLAGS.aggregator == factories.DP:
+    fixed['clients_per_round'] = why
+  return fixed
 
 
 def privacy_metrics(settings: factories.AggregatorSettings,

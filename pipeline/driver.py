@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -561,7 +561,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
           model_aggregator=None,
           round_metrics: Optional[Callable[[int], dict]] = None,
           hparams_defaults: Optional[dict] = None,
-          hparams_unused: frozenset = frozenset()) -> TrainResult:
+          hparams_unused: frozenset = frozenset(),
+          hparams_fixed: Optional[Mapping[str, str]] = None) -> TrainResult:
   """Runs (or resumes) `config.total_rounds` rounds; exports the final model.
 
   `model_aggregator`: a `tff.aggregators` factory for the model update (None:
@@ -570,7 +571,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   locked meanwhile; a resume first checks `hparams` against the run's
   (`run_directory.check_resume`; keys the run's hparams.json lacks against
   `hparams_defaults`; `hparams_unused`, flags the algorithm does not read,
-  not compared).
+  not compared; `hparams_fixed`, {flag: why} of those that may not change
+  even with `allow_flag_changes`).
   """
   config.validate(task.num_train_clients)
   if definition.has_client_state:
@@ -578,7 +580,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
     _require_own_store(config.state_dir, config.run_dir)
   with run_directory.locked(config.run_dir), _store_locked(definition, config):
     return _train_locked(definition, task, config, hparams, model_aggregator,
-                         round_metrics, hparams_defaults, hparams_unused)
+                         round_metrics, hparams_defaults, hparams_unused,
+                         hparams_fixed)
 
 
 @contextlib.contextmanager
@@ -602,7 +605,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                   config: RunConfig, hparams: Optional[dict],
                   model_aggregator, round_metrics,
                   hparams_defaults: Optional[dict],
-                  hparams_unused: frozenset) -> TrainResult:
+                  hparams_unused: frozenset,
+                  hparams_fixed: Optional[Mapping[str, str]]) -> TrainResult:
   run_dir = config.run_dir
   checkpoints = CheckpointManager(
       os.path.join(run_dir, run_directory.CHECKPOINTS_DIR),
@@ -616,7 +620,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
   # Flags against hparams.json, metrics.csv readable: before any write.
   resume = run_directory.check_resume(run_dir, start_round, hparams,
                                       config.allow_flag_changes,
-                                      hparams_defaults, hparams_unused)
+                                      hparams_defaults, hparams_unused,
+                                      hparams_fixed)
   if config.export:  # Refused now, not after the last round.
     export_lib.check_replaceable(os.path.join(run_dir, export_lib.EXPORT_DIR))
 

@@ -29,7 +29,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from pipeline import run_logs
 from pipeline.errors import ENVIRONMENT_ERRNOS
@@ -341,12 +341,15 @@ def check_resume(run_dir: str, start_round: Optional[int],
                  hparams: Optional[dict],
                  allow_flag_changes: bool = False,
                  defaults: Optional[dict] = None,
-                 unused: frozenset = frozenset()) -> ResumePlan:
+                 unused: frozenset = frozenset(),
+                 fixed: Optional[Mapping[str, str]] = None) -> ResumePlan:
   """Checks that the run may continue from `start_round` with `hparams`
   (see module doc); writes nothing. `hparams` None: not checked (library
   use). `defaults`: what keys hparams.json lacks are compared with
   (`result_changes`). `unused`: keys of flags the run's algorithm does not
-  read (their values, e.g. one derived from a used flag, change nothing)."""
+  read (their values, e.g. one derived from a used flag, change nothing).
+  `fixed`: {key: why} of flags that may not change even with
+  `allow_flag_changes` (a change would make the run's record wrong)."""
   metrics_path = os.path.join(run_dir, run_logs.METRICS_FILE)
   # UsageError if damaged, or not one row per round up to the checkpoint.
   metrics = run_logs.check_metrics(metrics_path, start_round or 0)
@@ -371,6 +374,14 @@ def check_resume(run_dir: str, start_round: Optional[int],
                            defaults)
   if not changes:
     return ResumePlan(start_round, None)
+  fixed_changes = {k: v for k, v in changes.items() if k in (fixed or {})}
+  if fixed_changes:
+    reasons = '; '.join(dict.fromkeys(fixed[k] for k in fixed_changes))
+    raise UsageError(
+        f'{run_dir} was trained with other values of flags that cannot '
+        f'change in a run, even with --allow_flag_changes: '
+        f'{_describe(fixed_changes)} ({reasons}); repeat the run\'s values '
+        'or use a new --experiment_name')
   if not allow_flag_changes:
     raise UsageError(
         f'{run_dir} was trained with other values of flags that change '

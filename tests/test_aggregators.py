@@ -35,6 +35,7 @@ from tff_algos.aggregation import accounting
 from tff_algos.aggregation import factories
 from tff_algos.aggregation import seeded_quantization
 from tff_algos.algorithms import registry
+from tff_algos.algorithms import settings as settings_lib
 import fedres_testing
 import test_native_runtime
 
@@ -301,6 +302,38 @@ def test_dp_mixed_fl_on_celeba_logs_epsilon_every_round(tmp_path):
     assert math.isfinite(float(row['train/loss']))
   assert 'privacy/epsilon=' in result.stderr + result.stdout
 
+  # The checkpoints hold the DP state (clip, noise), and epsilon covers every
+  # round with one noise multiplier and sampling rate: a resume that changes
+  # them would log a wrong epsilon, so it is refused even when flag changes
+  # are allowed, and the run is left as it was.
+  before = _files_of(tmp_path / 'dp')
+  for change in ('--dp_noise_multiplier=5', '--clip_norm=1',
+                 '--clients_per_round=5', '--aggregator=robust'):
+    args = ['--dp_noise_multiplier=0.8', '--clip_norm=0.3',
+            '--clients_per_round=4', '--aggregator=dp']
+    args = [a for a in args if a.split('=')[0] != change.split('=')[0]]
+    if change == '--aggregator=robust':
+      args = ['--clients_per_round=4']
+    refused = _train_cli(
+        '--task=celeba_smile', '--algorithm=mixed_pt', '--use_synthetic_data',
+        '--experiment_name=dp', f'--root_output_dir={tmp_path}',
+        '--total_rounds=3', '--allow_flag_changes', change, *args)
+    assert refused.returncode == 2, refused.stderr
+    error = refused.stderr.strip().splitlines()
+    assert len(error) == 1 and 'cannot change in a run' in error[0], error
+    assert change.split('=')[0] in error[0]
+    assert _files_of(tmp_path / 'dp') == before
+
+
+def _files_of(directory):
+  contents = {}
+  for root, _, names in os.walk(directory):
+    for name in names:
+      path = os.path.join(root, name)
+      with open(path, 'rb') as f:
+        contents[os.path.relpath(path, directory)] = f.read()
+  return contents
+
 
 @pytest.fixture
 def parse_flags():
@@ -330,6 +363,13 @@ class _Task:
     (('--aggregator=robust', '--clip_norm=0'), '--clip_norm must be > 0'),
     (('--aggregator=secure', '--clients_per_group=4'),
      '--clients_per_group=4 does not apply to --aggregator=secure'),
+    # Its threshold is estimated without noise: epsilon would not hold.
+    (('--aggregator=dp', '--dp_noise_multiplier=1', '--clip_norm=1',
+      '--zeroing'), '--zeroing does not apply to --aggregator=dp'),
+    # The DP mean is unweighted: the weighting would be recorded, not used.
+    (('--aggregator=dp', '--dp_noise_multiplier=1', '--clip_norm=1',
+      '--client_weighting=num_examples'),
+     '--client_weighting=num_examples does not apply to --aggregator=dp'),
 ])
 def test_aggregator_flag_errors(parse_flags, args, error):
   parse_flags(*args)
@@ -346,6 +386,16 @@ def test_dp_defaults_are_recorded(parse_flags):
   values = flags_lib.all_values()
   assert (values['aggregator'], values['dp_clients_per_round'],
           values['dp_target_delta']) == ('dp', 8, 1 / 40)
+
+
+def test_dp_takes_uniform_weighting_and_no_zeroing(parse_flags):
+  parse_flags('--aggregator=dp', '--dp_noise_multiplier=1', '--clip_norm=1',
+              '--client_weighting=uniform')
+  assert not flags_lib.aggregator_settings(_Task()).uses_zeroing
+  with pytest.raises(settings_lib.SettingError,
+                     match='zeroing does not apply to --aggregator=dp'):
+    factories.AggregatorSettings(aggregator=factories.DP, clip_norm=1.0,
+                                 dp_noise_multiplier=1.0, zeroing=True)
 
 
 def test_mean_is_the_runtimes_own():

@@ -9,7 +9,7 @@ their parameters as settings:
                own mean over groups of clients, as before)
   robust       the weighted mean after L2 clipping and zeroing
   dp           Gaussian DP mean (fixed L2 clip, seeded noise; unweighted, as
-               every tff.aggregators DP mean), optionally after zeroing
+               every tff.aggregators DP mean), without zeroing
   compression  the weighted mean of uniformly quantized updates (tensors
                above COMPRESSION_THRESHOLD elements; seeded rounding), after
                clipping and zeroing
@@ -18,9 +18,10 @@ their parameters as settings:
 
 Clipping (`clip_norm`): unset, tff.learning's adaptive norm (a quantile
 estimate of the clients' norms without noise); a number, that fixed norm;
-inf, no clipping. Zeroing (`zeroing`): unset, tff.learning's default (on),
-except for dp, where it is off: its adaptive threshold is estimated from the
-clients' norms without noise, outside the DP guarantee.
+inf, no clipping. Zeroing (`zeroing`): unset, tff.learning's default (on).
+dp has none (tff.learning's dp_aggregator offers it): its adaptive threshold
+is estimated from the clients' norms without noise, outside the DP
+guarantee, so the epsilon a run logs would not hold.
 
 DP's clip is fixed because its noise must be seeded for exact resumes
 (`seeded_gaussian`); TFF's adaptive DP clipping draws unseeded noise. For the
@@ -54,8 +55,10 @@ _MAX_FLOAT32 = 3.4028234663852886e38
 FIELDS = {
     MEAN: (),
     ROBUST: ('clip_norm', 'zeroing'),
-    DP: ('clip_norm', 'zeroing', 'dp_noise_multiplier',
-         'dp_clients_per_round', 'dp_target_delta'),
+    # No zeroing: its threshold is estimated from the clients' update norms
+    # without noise, outside the DP guarantee.
+    DP: ('clip_norm', 'dp_noise_multiplier', 'dp_clients_per_round',
+         'dp_target_delta'),
     COMPRESSION: ('clip_norm', 'zeroing', 'compression_bits'),
     SECURE: ('clip_norm', 'zeroing'),
 }
@@ -85,6 +88,11 @@ class AggregatorSettings:
       raise settings_lib.SettingError(
           'clip_norm', f'must be > 0 (inf: no clipping), got {self.clip_norm}')
     if self.aggregator == DP:
+      if self.zeroing:
+        raise settings_lib.SettingError(
+            'zeroing', 'does not apply to --aggregator=dp: its threshold is '
+            'estimated from the clients\' update norms without noise, so '
+            'the DP guarantee (and the logged epsilon) would not hold')
       if self.dp_noise_multiplier is None:
         raise settings_lib.SettingError(
             'dp_noise_multiplier', 'is needed by --aggregator=dp')
@@ -118,9 +126,9 @@ class AggregatorSettings:
 
   @property
   def uses_zeroing(self) -> bool:
-    if self.zeroing is not None:
-      return self.zeroing
-    return self.aggregator != DP
+    if self.aggregator == DP:
+      return False
+    return True if self.zeroing is None else self.zeroing
 
 
 def build(settings: AggregatorSettings, clients_per_round: int

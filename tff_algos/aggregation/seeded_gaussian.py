@@ -7,7 +7,9 @@ one. Here the noise of the n-th release is `stateless_normal(seed=(seed, n))`
 and n lives in the query's global state, which is part of the aggregator
 state the checkpoints carry: a resumed run adds exactly the noise the
 uninterrupted run added. Clipping and the released DP event are
-`GaussianSumQuery`'s.
+`GaussianSumQuery`'s. Whoever knows the seed can regenerate the noise, so
+the guarantee holds for a released model only if the seed stays secret
+(docs/aggregators.md).
 """
 
 import collections
