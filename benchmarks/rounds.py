@@ -141,14 +141,15 @@ _QUICK = flags.DEFINE_boolean(
     'quick', False,
     'Small sizes (10 clients, 1 timed round, no sweep) to check the '
     'benchmark runs; the numbers are not the README\'s.')
-_CHILD = flags.DEFINE_string('child', None, 'Internal: the run to measure.')
+MODES = ('tff', 'native', 'naive', 'bound', 'central')
+_CHILD = flags.DEFINE_enum('child', None, MODES,
+                           'Internal: the run to measure.')
 _CHILD_CLIENTS = flags.DEFINE_integer('child_clients', None, 'Internal.')
 _CHILD_ALGORITHM = flags.DEFINE_string('child_algorithm', 'fedavg', 'Internal.')
 _OUTPUT_DIR = flags.DEFINE_string('child_output_dir', None, 'Internal.')
 
 FLAGS = flags.FLAGS
 RESULT_PREFIX = 'BENCHMARK_RESULT '
-MODES = ('tff', 'native', 'naive', 'bound', 'central')
 # The algorithms each mode can run (None: every algorithm).
 MODE_ALGORITHMS = {'tff': None, 'native': None, 'naive': ('fedavg',),
                    'bound': ('fedavg', 'scaffold', 'fedres_avg'),
@@ -381,10 +382,12 @@ class _StateFiles:
     """The store's format: the same parse and checksum."""
     return tf.cond(
         tf.equal(path, ''), lambda: self._initial,
-        lambda: client_states.decode(tf.io.read_file(path), self._specs, path))
+        lambda: client_states.decode(tf.io.read_file(path), self._specs, path,
+                                     path))
 
   def write(self, path, tensors):
-    return tf.io.write_file(path, client_states.encode(tensors, self._specs))
+    return tf.io.write_file(path,
+                            client_states.encode(tensors, self._specs, path))
 
 
 def _bound_client_update(algorithm, global_model, server_c, states,
@@ -696,7 +699,8 @@ def run_parent() -> None:
                        f'allowed: {", ".join(registry.NAMES)}')
   if _POPULATION.value < largest:
     raise UsageError(f'--population={_POPULATION.value} is below the '
-                     f'largest clients per round ({largest})')
+                     'largest clients per round of --clients_per_round and '
+                     f'--sweep_clients ({largest})')
   print(f'benchmark: K={_CLIENT_STEPS.value}, B={_CLIENT_BATCH_SIZE.value}, '
         f'{_ROUNDS.value} timed + {_WARMUP_ROUNDS.value} warm-up rounds, '
         f'population {_POPULATION.value}, FedResAvg option '

@@ -181,9 +181,9 @@ _NOT_THIS_TASKS = ('they are damaged or not the files of this task '
 _BAD_DATA = (
     (_UNPARSABLE_DATA, lambda m: 'the task\'s data files hold records that '
      f'cannot be parsed ({m.group(0)}): {_NOT_THIS_TASKS}'),
-    (_DAMAGED_STATE, lambda m: f'{m.group(1)} is damaged: its values do not '
-     'match its checksum; restore the client state directory, or train a new '
-     '--experiment_name'),
+    (_DAMAGED_STATE, lambda m: f'{m.group(1)} is damaged, or another '
+     'client\'s or round\'s state: its values do not match its checksum; '
+     'restore the client state directory, or train a new --experiment_name'),
     (_DAMAGED_RECORD, lambda m: 'the task\'s data files hold a damaged '
      f'TFRecord file ({m.group(0)}): restore them, or use the files of this '
      'task (--cache_dir, --data_dir)'),

@@ -16,8 +16,8 @@ ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
 
 # What a client's state file whose values do not match its checksum raises
 # (`tff_algos.runtime.client_states`), its path after it.
-DAMAGED_CLIENT_STATE = ('client state file damaged: its values do not match '
-                        'its checksum')
+DAMAGED_CLIENT_STATE = ('client state file damaged or misplaced: its values '
+                        'do not match its checksum')
 
 
 class UsageError(Exception):

@@ -124,10 +124,41 @@ def test_a_state_with_any_one_value_changed_is_an_error_naming_its_file(
         assert (f'[{errors.DAMAGED_CLIENT_STATE}] [{path}]'
                 in str(raised.value))
         assert app.bad_data_message(raised.value).startswith(
-            f'{path} is damaged: its values do not match its checksum')
+            f'{path} is damaged, or another client\'s or round\'s state: '
+            'its values do not match its checksum')
         found += 1
   # The leaves' own bytes are the most of a file, framing or not.
   assert found > (len(intact) - len(header))
+
+
+@pytest.mark.parametrize('dtypes', [(np.float32, np.float32),
+                                    (np.float32, np.int64)],
+                         ids=['flat', 'mixed_dtypes'])
+def test_another_clients_or_rounds_state_in_a_file_is_an_error(tmp_path,
+                                                               dtypes):
+  """A valid state copied over another file passes every size and header
+  check; its checksum, keyed by client and round, does not match."""
+  state_format = _format(tmp_path, specs={
+      'a': tf.TensorSpec([2, 3], tf.as_dtype(dtypes[0])),
+      'b': [tf.TensorSpec([4], tf.as_dtype(dtypes[1]))]})
+
+  def write(client_id, version, fill):
+    state_format.write(tf.constant(client_id), tf.constant(version, tf.int64),
+                       {'a': np.full([2, 3], fill, dtypes[0]),
+                        'b': [np.full([4], fill, dtypes[1])]})
+    return state_format.file_path(client_id, version)
+
+  target = write('a', 2, 1)
+  for source in (write('b', 2, 2), write('a', 1, 3)):
+    with open(source, 'rb') as f, open(target, 'wb') as out:
+      out.write(f.read())
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+      state_format.load('a', 2)
+    assert f'[{errors.DAMAGED_CLIENT_STATE}] [{target}]' in str(raised.value)
+  # The file's own state, written again, reads back.
+  write('a', 2, 1)
+  np.testing.assert_array_equal(state_format.load('a', 2)['a'],
+                                np.ones([2, 3]))
 
 
 def _write(state_format, client_id, version):
@@ -184,6 +215,11 @@ def test_a_replaced_state_goes_at_commit_unless_a_kept_checkpoint_names_it(
   assert not os.path.exists(state_format.file_path('2', 2))
   assert os.path.exists(state_format.file_path('1', 1))
   assert os.path.exists(state_format.file_path('3', 2))
+  # A round left empty goes with its last state.
+  _write(state_format, '4', 5)
+  assert client_states.delete_superseded(
+      state_format, ['4'], np.array([5]), []) == 1
+  assert sorted(os.listdir(tmp_path)) == ['round_1', 'round_2']
   # Already gone: nothing to do, no error.
   assert client_states.delete_superseded(
       state_format, ['0'], np.array([1]), []) == 0
@@ -338,15 +374,26 @@ def test_missing_or_overwritten_client_states_are_one_clear_error(
   damaged.write_bytes(np.random.default_rng(0).bytes(len(intact)))
   resume_fails(damaged.name)
   damaged.write_bytes(intact)
-  # One value changed in every state file (their size and header intact):
-  # found when a client reads its state, as the first resumed round starts.
+  # Every state file holding another client's or round's state (all of
+  # them valid, of the right size and header): found when a client reads
+  # its state, as the first resumed round starts.
   files = sorted(store.glob('round_*/*.state'))
+  contents = [path.read_bytes() for path in files]
+  assert len(set(contents)) == len(files) > 1
+  for path, content in zip(files, contents[1:] + contents[:1]):
+    path.write_bytes(content)
+  resume_fails(f'{store}/round_', says=' is damaged, or another client\'s or '
+               'round\'s state: its values do not match its checksum')
+  for path, content in zip(files, contents):
+    path.write_bytes(content)
+  # One value changed in every state file (their size and header intact):
+  # found as above.
   for path in files:
     values = bytearray(path.read_bytes())
     values[len(values) // 2] ^= 1
     path.write_bytes(values)
-  resume_fails(f'{store}/round_', says=' is damaged: its values do not match '
-               'its checksum')
+  resume_fails(f'{store}/round_', says=' is damaged, or another client\'s or '
+               'round\'s state: its values do not match its checksum')
   # The whole store gone.
   subprocess.run(['rm', '-r', str(store)], check=True)
   resume_fails('client_states')

@@ -72,6 +72,11 @@ def file_name(client_id: str) -> str:
   return encoded.rstrip('=') + SUFFIX
 
 
+def file_key(client_id: str, version: int) -> str:
+  """What a state's checksum is keyed with: its path in the store."""
+  return f'round_{version}/{file_name(client_id)}'
+
+
 def client_id_of(name: str) -> Optional[str]:
   if not name.endswith(SUFFIX):
     return None
@@ -98,22 +103,27 @@ class StateFormat:
     # A graph, as in a client's computation: a damaged state's error then
     # reads the same here as from a worker.
     self._read_path = tf.function(
-        lambda path: decode(tf.io.read_file(path), specs, path),
+        lambda path, key: decode(tf.io.read_file(path), specs, path, key),
         autograph=False)
 
   # ---- TF, inside the client's computation --------------------------------
 
+  def _key(self, client_id: tf.Tensor, version: tf.Tensor) -> tf.Tensor:
+    """`file_key` in TF (encode_base64 is base64url without padding)."""
+    return tf.strings.join(['round_', tf.strings.as_string(version), '/',
+                            tf.io.encode_base64(client_id), SUFFIX])
+
   def _path(self, client_id: tf.Tensor, version: tf.Tensor) -> tf.Tensor:
-    return tf.strings.join([
-        self.directory, '/round_', tf.strings.as_string(version), '/',
-        tf.io.encode_base64(client_id), SUFFIX])
+    return tf.strings.join([self.directory, '/',
+                            self._key(client_id, version)])
 
   def read(self, client_id: tf.Tensor, version: tf.Tensor):
     """The client's state of `version`; the initializer's when it is -1."""
 
     def stored():
       path = self._path(client_id, version)
-      return decode(tf.io.read_file(path), self.specs, path)
+      return decode(tf.io.read_file(path), self.specs, path,
+                    self._key(client_id, version))
 
     def initial():
       return tf.nest.map_structure(
@@ -125,7 +135,8 @@ class StateFormat:
   def write(self, client_id: tf.Tensor, version: tf.Tensor, state) -> tf.Operation:
     # write_file creates the round directory when it is missing.
     return tf.io.write_file(self._path(client_id, version),
-                            encode(state, self.specs))
+                            encode(state, self.specs,
+                                   self._key(client_id, version)))
 
   # ---- Python -------------------------------------------------------------
 
@@ -139,7 +150,8 @@ class StateFormat:
       return tf.nest.map_structure(np.asarray, self._initial_state_fn())
     return tf.nest.map_structure(
         lambda t: t.numpy(),
-        self._read_path(tf.constant(self.file_path(client_id, version))))
+        self._read_path(tf.constant(self.file_path(client_id, version)),
+                        tf.constant(file_key(client_id, version))))
 
 
 class StateIndex:
@@ -307,9 +319,12 @@ def delete_superseded(state_format: StateFormat, client_ids: Sequence[str],
   """Deletes the replaced states of `client_ids` no kept checkpoint names.
 
   `kept_versions`: per kept checkpoint, the versions it names for the same
-  clients. Returns the number of files deleted.
+  clients. A round directory left empty goes too: between checkpoints
+  nothing else removes it, and a long run would leave one per round.
+  Returns the number of files deleted.
   """
   deleted = 0
+  emptied = set()
   for position, (client_id, version) in enumerate(
       zip(client_ids, replaced_versions, strict=True)):
     if version < 0 or any(versions[position] == version
@@ -318,7 +333,13 @@ def delete_superseded(state_format: StateFormat, client_ids: Sequence[str],
     try:
       os.remove(state_format.file_path(client_id, int(version)))
       deleted += 1
+      emptied.add(int(version))
     except FileNotFoundError:
+      pass
+  for version in emptied:
+    try:
+      os.rmdir(round_directory(state_format.directory, version))
+    except OSError:  # Not empty: kept or unreplaced states are in it.
       pass
   return deleted
 
@@ -338,16 +359,20 @@ def _flat_format(specs) -> bool:
           dtype.size in _CHECKSUM_DTYPES)
 
 
-def _checksum(leaves: Sequence[tf.Tensor]) -> tf.Tensor:
-  """The leaves' bit patterns as unsigned integers, summed modulo 2^width.
+def _checksum(leaves: Sequence[tf.Tensor], key: tf.Tensor) -> tf.Tensor:
+  """The leaves' bit patterns as unsigned integers, plus a fingerprint of
+  `key` (the state's client and round, `file_key`), summed modulo 2^width.
 
   One read of the values, and exact in any order. A change of any one value
   changes it; random damage to several goes unseen with probability 2^-32
-  (2^-64). Not a defence against deliberate edits.
+  (2^-64). With the key, another client's or another round's state copied
+  over a file fails it too (it passes every size and header check). Not a
+  defence against deliberate edits.
   """
   unsigned = _CHECKSUM_DTYPES[leaves[0].dtype.size]
   return tf.reduce_sum(tf.stack(
-      [tf.reduce_sum(tf.bitcast(leaf, unsigned)) for leaf in leaves]))
+      [tf.reduce_sum(tf.bitcast(leaf, unsigned)) for leaf in leaves] +
+      [tf.cast(_fingerprints(key), unsigned)]))
 
 
 def _verified(leaves: list[tf.Tensor], matches: tf.Tensor,
@@ -362,8 +387,9 @@ def _verified(leaves: list[tf.Tensor], matches: tf.Tensor,
     return [tf.identity(leaf) for leaf in leaves]
 
 
-def encode(state, specs) -> tf.Tensor:
-  """One state as the bytes of its file, with a checksum of its values.
+def encode(state, specs, key) -> tf.Tensor:
+  """One state as the bytes of its file, with a checksum of its values and
+  of `key`, the state's name (`file_key`).
 
   States of one dtype (every algorithm's here) are their leaves flattened
   into one tensor, their checksum (`_checksum`, bit-cast to the same dtype)
@@ -375,13 +401,13 @@ def encode(state, specs) -> tf.Tensor:
   """
   leaves = [tf.convert_to_tensor(leaf) for leaf in tf.nest.flatten(state)]
   if _flat_format(specs):
-    checksum = tf.bitcast(_checksum(leaves), leaves[0].dtype)
+    checksum = tf.bitcast(_checksum(leaves, key), leaves[0].dtype)
     return tf.io.serialize_tensor(tf.concat(
         [tf.reshape(leaf, [-1]) for leaf in leaves] +
         [tf.reshape(checksum, [1])], 0))
   parts = [tf.io.serialize_tensor(leaf) for leaf in leaves]
   parts = tf.stack(parts) if parts else tf.zeros([0], tf.string)
-  fingerprints = tf.io.serialize_tensor(_fingerprints(parts))
+  fingerprints = tf.io.serialize_tensor(_keyed_fingerprints(parts, key))
   return tf.io.serialize_tensor(tf.concat([parts, [fingerprints]], 0))
 
 
@@ -389,9 +415,14 @@ def _fingerprints(parts: tf.Tensor) -> tf.Tensor:
   return tf.strings.to_hash_bucket_fast(parts, 2**63 - 1)
 
 
-def decode(blob: tf.Tensor, specs, path):
-  """The state `encode` wrote, its shapes checked against `specs` and its
-  values against its checksum (an error naming `path` if they differ)."""
+def _keyed_fingerprints(parts: tf.Tensor, key) -> tf.Tensor:
+  return tf.concat([_fingerprints(parts), [_fingerprints(key)]], 0)
+
+
+def decode(blob: tf.Tensor, specs, path, key):
+  """The state `encode` wrote with `key`, its shapes checked against
+  `specs` and its values and key against its checksum (an error naming
+  `path` if they differ)."""
   flat_specs = tf.nest.flatten(specs)
   if _flat_format(specs):
     flat = tf.io.parse_tensor(blob, flat_specs[0].dtype)
@@ -401,15 +432,17 @@ def decode(blob: tf.Tensor, specs, path):
     leaves = [tf.reshape(piece, spec.shape)
               for piece, spec in zip(pieces, flat_specs)]
     unsigned = _CHECKSUM_DTYPES[stored.dtype.size]
-    matches = tf.equal(_checksum(leaves), tf.bitcast(stored[0], unsigned))
+    matches = tf.equal(_checksum(leaves, key),
+                       tf.bitcast(stored[0], unsigned))
     return tf.nest.pack_sequence_as(specs, _verified(leaves, matches, path))
   parts = tf.io.parse_tensor(blob, tf.string)
   parts = tf.ensure_shape(parts, [len(flat_specs) + 1])
   # Checked before the leaves are parsed: damage to a leaf's own framing
   # is then found as damage, not as a parse error.
-  parts = _verified([parts], tf.reduce_all(tf.equal(
-      _fingerprints(parts[:-1]), tf.io.parse_tensor(parts[-1], tf.int64))),
-                    path)[0]
+  # As bytes: fingerprints of another length are a mismatch, not an error.
+  parts = _verified([parts], tf.equal(
+      tf.io.serialize_tensor(_keyed_fingerprints(parts[:-1], key)),
+      parts[-1]), path)[0]
   leaves = [tf.ensure_shape(tf.io.parse_tensor(parts[i], spec.dtype),
                             spec.shape)
             for i, spec in enumerate(flat_specs)]
@@ -431,7 +464,7 @@ def file_header(specs) -> bytes:
   def encoded(fill):
     leaves = [tf.fill(s.shape, tf.constant(fill(s.dtype), s.dtype))
               for s in flat]
-    return encode(tf.nest.pack_sequence_as(specs, leaves), specs).numpy()
+    return encode(tf.nest.pack_sequence_as(specs, leaves), specs, '').numpy()
 
   zeros = encoded(lambda dtype: False if dtype.is_bool else (
       '' if dtype == tf.string else 0))
@@ -459,4 +492,5 @@ def _without_zero_bytes(dtype: tf.DType):
 def serialized_size(specs) -> int:
   """Bytes of one stored state of `specs` (fixed shapes), for validation."""
   zeros = [tf.zeros(s.shape, s.dtype) for s in tf.nest.flatten(specs)]
-  return len(encode(tf.nest.pack_sequence_as(specs, zeros), specs).numpy())
+  return len(encode(tf.nest.pack_sequence_as(specs, zeros), specs,
+                    '').numpy())
