@@ -10,6 +10,7 @@ prediction plus the initial local model's), with a note on stderr.
 """
 
 import json
+import math
 import os
 import sys
 
@@ -25,6 +26,28 @@ flags.DEFINE_string('client_id', None, 'Client whose local model to use.')
 flags.DEFINE_string('inputs_npy', None, '.npy file with a batch of inputs.')
 
 
+def _check_data_size(path: str) -> None:
+  """ValueError if the .npy file at `path` holds fewer bytes of data than
+  its header's shape needs: NumPy allocates that shape before it reads, so
+  a damaged header claiming terabytes was a MemoryError traceback."""
+  readers = {(1, 0): np.lib.format.read_array_header_1_0,
+             (2, 0): np.lib.format.read_array_header_2_0}
+  with open(path, 'rb') as f:
+    try:
+      reader = readers.get(np.lib.format.read_magic(f))
+      if reader is None:  # Other versions: np.load checks them itself.
+        return
+      shape, _, dtype = reader(f)
+    except (ValueError, EOFError):  # Not a .npy file: np.load says how.
+      return
+    available = os.fstat(f.fileno()).st_size - f.tell()
+  needed = math.prod(shape) * dtype.itemsize
+  if not dtype.hasobject and needed > available:
+    raise ValueError(f'its header declares shape {shape} of {dtype} '
+                     f'({needed} bytes), but it holds {available} bytes of '
+                     'data')
+
+
 def main(argv):
   del argv
   app.require_flags('export_dir', 'client_id', 'inputs_npy')
@@ -37,6 +60,7 @@ def main(argv):
   if not os.path.isfile(FLAGS.inputs_npy):
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} does not exist')
   try:
+    _check_data_size(FLAGS.inputs_npy)
     inputs = np.load(FLAGS.inputs_npy, allow_pickle=False)
   except (ValueError, EOFError) as e:
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} is not a .npy array: '

@@ -59,7 +59,7 @@ def main():
   parser.add_argument('--root_output_dir', required=True)
   parser.add_argument('--total_rounds', type=int, default=30)
   parser.add_argument('--rounds_per_eval', type=int, default=1)
-  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--seed', type=cli.seed, default=0)
   parser.add_argument('--use_synthetic_data', action='store_true')
   parser.add_argument('--cache_dir', default=None)
   parser.add_argument('--plot_prefix', default=None,

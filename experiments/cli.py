@@ -49,6 +49,19 @@ def comma_list(kind: type) -> Callable[[str], list]:
   return parse
 
 
+def seed(text: str) -> int:
+  """An argparse `type`: a seed as the binaries' --seed takes it, 0 to
+  2**32 - 1 (NumPy's and TF's seeds refused others with a traceback)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if not 0 <= value <= 2**32 - 1:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not a seed: an integer from 0 to 2**32 - 1')
+  return value
+
+
 def positive_int(text: str) -> int:
   """An argparse `type`: an integer >= 1 (the in-process experiments passed
   0 on, to be refused under the driver's flag name, e.g. --total_rounds for

@@ -92,7 +92,7 @@ def main():
   parser.add_argument('--rounds', type=cli.positive_int, default=10)
   parser.add_argument('--heterogeneities', default='0,1',
                       type=cli.comma_list(float))
-  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--seed', type=cli.seed, default=0)
   parser.add_argument('--skip_driver_check', action='store_true')
   args = parser.parse_args()
   tff_runtime.configure_execution()

@@ -30,7 +30,7 @@ def main():
   parser.add_argument('--client_steps', type=cli.positive_int, default=10)
   parser.add_argument('--client_learning_rate', type=float, default=0.1)
   parser.add_argument('--local_learning_rate', type=float, default=0.1)
-  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--seed', type=cli.seed, default=0)
   parser.add_argument('--root_output_dir', default='runs/fedres_movielens')
   parser.add_argument('--algorithms', default='fedavg,fedres_avg')
   args = parser.parse_args()

@@ -47,7 +47,7 @@ def main():
   parser.add_argument('--rounds', type=cli.positive_int, default=300)
   parser.add_argument('--ks', default='1,5,10,20,50',
                       type=cli.comma_list(cli.positive_int))
-  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--seed', type=cli.seed, default=0)
   args = parser.parse_args()
   tff_runtime.configure_execution()
   from experiments import fedres_common  # pylint: disable=g-import-not-at-top

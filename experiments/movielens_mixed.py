@@ -91,7 +91,7 @@ def main():
                       help='default: total_rounds / 5')
   parser.add_argument('--clients_per_round', type=int, default=None,
                       help='default: the task\'s (S=100)')
-  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--seed', type=cli.seed, default=0)
   args = parser.parse_args()
   if args.rounds_per_eval is None:
     args.rounds_per_eval = max(1, args.total_rounds // 5)

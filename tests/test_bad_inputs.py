@@ -186,6 +186,20 @@ def non_finite_inputs(p):
   copy_fedres_export(p, np.array([[np.nan] * 10, [np.inf] * 10], np.float32))
 
 
+def huge_npy_header(p):
+  """A .npy file whose header claims 40 PB (NumPy allocated it first: a
+  MemoryError traceback)."""
+  copy_fedres_export(p)
+  with open(os.path.join(p.root, 'inputs.npy'), 'wb') as f:
+    np.lib.format.write_array_header_1_0(
+        f, {'descr': '<f4', 'fortran_order': False, 'shape': (10**15, 10)})
+    f.write(np.zeros([2, 10], np.float32).tobytes())
+
+
+def inputs_beyond_float32(p):
+  copy_fedres_export(p, np.full([2, 10], 1e300))
+
+
 def export_with_a_file_of_the_user(p):
   lib.copy_run(os.path.join(p.base, 'export'), os.path.join(p.root, 'mine'))
   write('mine/NOTES.txt', 'mine')(p)
@@ -623,6 +637,18 @@ CASES = [
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs hold 20 '
          'non-finite value(s) (NaN or inf); predictions need finite inputs',
          setup=non_finite_inputs),
+    Case('serve_huge_npy_header', 'serve_personalized',
+         serve('fedres_export'),
+         lambda p: f'--inputs_npy={p.root}/inputs.npy is not a .npy array: '
+         'its header declares shape (1000000000000000, 10) of float32 '
+         '(40000000000000000 bytes), but it holds 80 bytes of data',
+         setup=huge_npy_header),
+    # NumPy's overflow warnings, then "predictions are not finite".
+    Case('serve_inputs_beyond_float32', 'serve_personalized',
+         serve('fedres_export'),
+         lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs hold 20 '
+         'value(s) beyond float32 (e.g. 1e+300)',
+         setup=inputs_beyond_float32),
     Case('export_into_another_runs_export', 'export',
          of_base(lambda p: f'--export_dir={p.fedres}/export'),
          lambda p: f'--export_dir={p.fedres}/export is inside the directory '

@@ -35,6 +35,12 @@ def run(module, *args):
      "argument --rounds: '0' is not an integer >= 1"),
     ('experiments.fedres_toy', ['--ks=5,0'],
      "argument --ks: '5,0' is not a comma-separated list of integers >= 1"),
+    # A traceback from NumPy's seed, after the table's header.
+    ('experiments.fedres_toy', ['--seed=-5'],
+     "argument --seed: '-5' is not a seed: an integer from 0 to 2**32 - 1"),
+    ('experiments.celeba_mixed', ['--seed=4294967296'],
+     "argument --seed: '4294967296' is not a seed: an integer from 0 to "
+     '2**32 - 1'),
     ('experiments.fedres_logistic', ['--heterogeneities=nan'],
      "argument --heterogeneities: 'nan' is not a comma-separated list of "
      'finite numbers'),

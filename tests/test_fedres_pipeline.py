@@ -227,6 +227,12 @@ def test_serving_refuses_damaged_local_models_and_non_finite_inputs(
   assert str(error.value) == (
       f'{path}: the local model of client {client!r} is 4 bytes, not 20 '
       'float32 values: the file is damaged')
+  # An id from argv bytes that are not UTF-8 (a UnicodeEncodeError
+  # traceback from sqlite).
+  with pytest.raises(UsageError) as error:
+    server('\udcff', np.zeros([2, 10], np.float32))
+  assert str(error.value) == ("client id '\\udcff' is not UTF-8 text: no "
+                              'client has it')
   x[0, 1], x[1, 2] = np.nan, -np.inf
   with pytest.raises(UsageError) as error:
     server.check_inputs(x)

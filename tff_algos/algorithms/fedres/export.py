@@ -140,6 +140,11 @@ def local_weights_for(export_dir: str, client_id: str,
   if not os.path.isfile(path):
     raise UsageError(f'{export_dir} has no {LOCAL_MODELS_FILE}: not the '
                      'export of a FedRes run')
+  try:
+    client_id.encode('utf-8')
+  except UnicodeEncodeError as e:  # From bytes in argv that are not UTF-8.
+    raise UsageError(f'client id {client_id!r} is not UTF-8 text: no client '
+                     'has it') from e
   connection = sqlite3.connect(f'file:{path}?mode=ro', uri=True)
   try:
     row = connection.execute(
@@ -232,6 +237,13 @@ class PersonalizedServer:
       raise InputError(
           f'inputs hold {int(np.sum(~np.isfinite(inputs)))} non-finite '
           'value(s) (NaN or inf); predictions need finite inputs')
+    if spec.dtype.is_floating and inputs.dtype.kind == 'f' and inputs.size:
+      # The cast would make them inf (with NumPy's overflow warning).
+      largest = float(np.finfo(spec.dtype.as_numpy_dtype).max)
+      outside = inputs[np.abs(inputs) > largest]
+      if outside.size:
+        raise InputError(f'inputs hold {outside.size} value(s) beyond '
+                         f'{spec.dtype.name} (e.g. {outside[0]})')
     if spec.dtype.is_integer and inputs.size:
       # tf.constant wrapped them: 2**40 became id 0, served as if asked.
       limits = np.iinfo(spec.dtype.as_numpy_dtype)
