@@ -36,6 +36,7 @@ from tff_algos.aggregation import factories
 from tff_algos.aggregation import seeded_quantization
 from tff_algos.algorithms import registry
 from tff_algos.algorithms import settings as settings_lib
+import fault_testlib
 import fedres_testing
 import test_native_runtime
 
@@ -306,7 +307,7 @@ def test_dp_mixed_fl_on_celeba_logs_epsilon_every_round(tmp_path):
   # round with one noise multiplier and sampling rate: a resume that changes
   # them would log a wrong epsilon, so it is refused even when flag changes
   # are allowed, and the run is left as it was.
-  before = _files_of(tmp_path / 'dp')
+  before = fault_testlib.tree_digest(tmp_path / 'dp')
   for change in ('--dp_noise_multiplier=5', '--clip_norm=1',
                  '--clients_per_round=5', '--aggregator=robust'):
     args = ['--dp_noise_multiplier=0.8', '--clip_norm=0.3',
@@ -322,17 +323,7 @@ def test_dp_mixed_fl_on_celeba_logs_epsilon_every_round(tmp_path):
     error = refused.stderr.strip().splitlines()
     assert len(error) == 1 and 'cannot change in a run' in error[0], error
     assert change.split('=')[0] in error[0]
-    assert _files_of(tmp_path / 'dp') == before
-
-
-def _files_of(directory):
-  contents = {}
-  for root, _, names in os.walk(directory):
-    for name in names:
-      path = os.path.join(root, name)
-      with open(path, 'rb') as f:
-        contents[os.path.relpath(path, directory)] = f.read()
-  return contents
+    assert fault_testlib.tree_digest(tmp_path / 'dp') == before
 
 
 @pytest.fixture

@@ -141,8 +141,7 @@ class StateFormat:
   # ---- Python -------------------------------------------------------------
 
   def file_path(self, client_id: str, version: int) -> str:
-    return os.path.join(round_directory(self.directory, version),
-                        file_name(client_id))
+    return os.path.join(self.directory, file_key(client_id, version))
 
   def load(self, client_id: str, version: int):
     """A stored state as numpy arrays (or the initial state, version -1)."""
