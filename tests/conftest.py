@@ -9,6 +9,7 @@ from pipeline import tf_logs
 
 tf_logs.quiet_tensorflow_import()  # Before anything imports TensorFlow.
 
+from pipeline import private_temp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -46,6 +47,17 @@ def _time_limit(request):
   yield
   signal.alarm(0)
   signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _private_temp_dir(tmp_path_factory):
+  # Library code the tests run in-process leaves temp files behind (TFDS's
+  # metadata lookup makes a /tmp/tmp*tfds directory per unprepared builder):
+  # like the binaries, the session uses a temp directory removed at exit.
+  # pytest's own directories stay in the shared one, for inspection.
+  tmp_path_factory.getbasetemp()
+  private_temp.use_private_temp_dir()
+  yield
 
 
 @pytest.fixture(scope='session', autouse=True)
