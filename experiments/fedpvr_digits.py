@@ -335,10 +335,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                       'per layer and test accuracy over rounds.')
   parser.add_argument('--summarize_only', action='store_true')
   args = parser.parse_args(argv)
-  args.with_fedprox = True
   if args.fast:
-    for key, value in FAST.items():
-      setattr(args, key, value)
+    # FAST's values are defaults: a flag given with --fast still holds
+    # (it was overwritten without a word).
+    parser.set_defaults(**FAST)
+    args = parser.parse_args(argv)
+  else:
+    args.with_fedprox = True
   args.root_output_dir = os.path.abspath(args.root_output_dir)
   # Parsed after --fast's values are in.
   for name, kind in (('alphas', float), ('seeds', int), ('pvr_starts', int)):
@@ -348,6 +351,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       parser.error(f'argument --{name}: {e}')
   if args.total_rounds < 1:
     parser.error(f'argument --total_rounds: {args.total_rounds} is not >= 1')
+  if not 0 < args.target_accuracy <= 1:
+    parser.error(f'argument --target_accuracy: {args.target_accuracy} is not '
+                 'an accuracy in (0, 1]')
   if args.at_round is None:
     args.at_round = args.total_rounds
   if not 1 <= args.at_round <= args.total_rounds:

@@ -86,10 +86,11 @@ def main():
   parser.add_argument('--movielens_dir', default=None)
   parser.add_argument('--use_synthetic_data', action='store_true')
   parser.add_argument('--root_output_dir', required=True)
-  parser.add_argument('--total_rounds', type=int, default=100)
-  parser.add_argument('--rounds_per_eval', type=int, default=None,
+  parser.add_argument('--total_rounds', type=cli.positive_int, default=100)
+  parser.add_argument('--rounds_per_eval', type=cli.positive_int, default=None,
                       help='default: total_rounds / 5')
-  parser.add_argument('--clients_per_round', type=int, default=None,
+  parser.add_argument('--clients_per_round', type=cli.positive_int,
+                      default=None,
                       help='default: the task\'s (S=100)')
   parser.add_argument('--seed', type=cli.seed, default=0)
   args = parser.parse_args()

@@ -58,13 +58,24 @@ def run(module, *args):
     ('experiments.celeba_mixed', ['--runs=mixed_pt', '--check_margin=0.1'],
      'argument --check_margin: compares with fl_only, which --runs leaves '
      'out'),
+    # Nothing trained, then an IndexError traceback in the summary.
+    ('experiments.movielens_mixed', ['--use_synthetic_data',
+                                     '--total_rounds=0'],
+     "argument --total_rounds: '0' is not an integer >= 1"),
+    # 0 was taken as "not given": the task's 100 clients a round.
+    ('experiments.movielens_mixed', ['--use_synthetic_data',
+                                     '--clients_per_round=0'],
+     "argument --clients_per_round: '0' is not an integer >= 1"),
+    # No run can reach it: every method ">30 rounds" to the target.
+    ('experiments.fedpvr_digits', ['--target_accuracy=2'],
+     'argument --target_accuracy: 2.0 is not an accuracy in (0, 1]'),
     # argparse's usage block and `compare.py: error:` line.
     ('benchmarks.peers.compare', ['--pairs=0'],
      '--pairs, --rounds and --warmup_rounds must be >= 1'),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_flags_are_one_error_line(tmp_path, module, args, message):
   if module.startswith(('experiments.scaffold', 'experiments.fedpvr',
-                        'experiments.celeba')):
+                        'experiments.celeba', 'experiments.movielens')):
     args = [f'--root_output_dir={tmp_path}/runs', *args]
   result = run(module, *args)
   assert (result.returncode, result.stderr) == (2, f'error: {message}\n')

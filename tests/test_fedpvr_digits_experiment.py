@@ -76,3 +76,14 @@ def test_claim_checks_fail_on_contrary_numbers():
   assert fedpvr_digits.claim_three(_results([1], 2.03, 4.0), 0.1)[0]
   assert not fedpvr_digits.claim_three(_results([1], 3.75, 4.0), 0.1)[0]
   assert not fedpvr_digits.claim_three(_results([1], 2.03, 2.0), 0.1)[0]
+
+
+def test_fast_keeps_the_flags_given_with_it():
+  # --fast overwrote them: --client_epochs=0 trained 2 epochs, exit 0.
+  args = fedpvr_digits.parse_args(['--fast', '--root_output_dir=runs',
+                                   '--client_epochs=3', '--seeds=4,5'])
+  assert (args.client_epochs, args.seeds) == (3, [4, 5])
+  fast = fedpvr_digits.FAST
+  assert (args.total_rounds, args.with_fedprox) == (fast['total_rounds'],
+                                                    fast['with_fedprox'])
+  assert fedpvr_digits.parse_args(['--root_output_dir=runs']).with_fedprox
