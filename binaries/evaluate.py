@@ -42,6 +42,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('export_dir', None,
                     'Evaluate this export instead of a checkpoint.')
 flags_lib.refuse_empty('export_dir')
+flags_lib.require_utf8('export_dir')
 flags.DEFINE_boolean('conformal', False,
                      'Also report split conformal prediction sets: coverage '
                      'and mean set size per miscoverage level.')

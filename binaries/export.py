@@ -25,6 +25,7 @@ from pipeline import run_directory
 FLAGS = flags.FLAGS
 flags.DEFINE_string('export_dir', None, 'Where to write (default <run>/export).')
 flags_lib.refuse_empty('export_dir')
+flags_lib.require_utf8('export_dir')
 
 
 def main(argv):

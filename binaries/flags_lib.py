@@ -286,8 +286,29 @@ def refuse_empty(name: str) -> None:
       'default')
 
 
+def require_utf8(name: str) -> None:
+  """The path flag `name` must be UTF-8: TensorFlow's file ops take UTF-8
+  paths (a byte of another encoding, e.g. Latin-1, was a TypeError
+  traceback once a path reached one)."""
+  flags.register_validator(
+      name, lambda value: value is None or _is_utf8(value),
+      message='is not valid UTF-8, which TensorFlow\'s file operations need; '
+      'rename it')
+
+
+def _is_utf8(text: str) -> bool:
+  try:
+    text.encode('utf-8')  # Undecodable bytes of argv are lone surrogates.
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
 for _name in ('client_state_dir', 'cache_dir', 'data_dir', 'movielens_dir'):
   refuse_empty(_name)
+for _name in ('experiment_name', 'root_output_dir', 'client_state_dir',
+              'cache_dir', 'data_dir', 'movielens_dir'):
+  require_utf8(_name)
 
 FLAGS = flags.FLAGS
 

@@ -449,6 +449,22 @@ CASES = [
     Case('export_dir_empty', 'evaluate', of_base('--export_dir='),
          lambda p: 'flag --export_dir=: is empty; name a directory, or leave '
          'the flag out for its default'),
+    # A byte that is not UTF-8 (e.g. a Latin-1 name) reached TensorFlow's
+    # file ops: a TypeError traceback, status 1.
+    Case('root_output_dir_not_utf8', 'train',
+         lambda p: [*lib.DIGITS_FLAGS, '--experiment_name=new',
+                    f'--root_output_dir={p.root}/caf\udce9'],
+         lambda p: f'flag --root_output_dir={p.root}/caf\\udce9: is not valid '
+         'UTF-8, which TensorFlow\'s file operations need; rename it'),
+    Case('client_state_dir_not_utf8', 'train',
+         train_new('--algorithm=scaffold',
+                   lambda p: f'--client_state_dir={p.root}/\udcff'),
+         lambda p: f'flag --client_state_dir={p.root}/\\udcff: is not valid '
+         'UTF-8, which TensorFlow\'s file operations need; rename it'),
+    Case('export_dir_not_utf8', 'evaluate',
+         of_base(lambda p: f'--export_dir={p.root}/\udcff'),
+         lambda p: f'flag --export_dir={p.root}/\\udcff: is not valid '
+         'UTF-8, which TensorFlow\'s file operations need; rename it'),
     Case('experiment_name_dot', 'evaluate',
          lambda p: ['--experiment_name=.', f'--root_output_dir={p.base}'],
          lambda p: "--experiment_name='.' must be a non-empty name without "
