@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -346,6 +347,42 @@ def test_full_disk_is_one_error_and_the_run_resumes(base, train_binary,
     assert not glob.glob(str(disk / 'base' / '**' / '*temp*'),
                          recursive=True)
     assert not glob.glob(str(disk / 'base' / '*.staging'))
+
+
+def without_file_permission_override(command):
+  """`command` run so that file modes bind this process: as root, without
+  the capabilities that let root read any file."""
+  if os.geteuid() != 0:
+    return command
+  if shutil.which('setpriv') is None:
+    pytest.skip('setpriv is needed to drop root\'s file-read capabilities')
+  capabilities = '-dac_override,-dac_read_search'
+  return ['setpriv', f'--bounding-set={capabilities}',
+          f'--inh-caps={capabilities}', *command]
+
+
+@pytest.mark.parametrize('binary', ['evaluate', 'train'])
+def test_an_unreadable_checkpoint_is_an_environment_fault(base, tmp_path,
+                                                          binary):
+  # It read "is corrupted or incompatible with these flags (OpError); ...
+  # or delete it", status 2: advice to delete a sound checkpoint.
+  run = tmp_path / 'base'
+  lib.copy_run(base, run)
+  data = glob.glob(str(run / 'checkpoints/round_3/variables/*.data-*'))[0]
+  os.chmod(data, 0)
+  before = lib.tree_digest(run)
+  args = [f'--root_output_dir={tmp_path}', '--experiment_name=base']
+  if binary == 'train':
+    args += [*lib.DIGITS_FLAGS, '--total_rounds=4']
+  result = subprocess.run(
+      without_file_permission_override(
+          lib.binary_command(f'binaries.{binary}', *args)),
+      cwd=lib.REPO, capture_output=True, text=True, timeout=600,
+      stdin=subprocess.DEVNULL, env=lib.environment(), check=False)
+  assert result.returncode == 3, result.stderr[-3000:]
+  assert lib.error_lines(result) == [
+      f'error: {data}: Permission denied{RECOVERY}'], result.stderr[-3000:]
+  assert lib.tree_digest(run) == before
 
 
 @pytest.fixture(scope='module')
