@@ -25,6 +25,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 import tqdm
 
+from pipeline import errors
 from pipeline import evaluation
 from pipeline import export as export_lib
 from pipeline import interrupts
@@ -195,21 +196,6 @@ def program_state_structure(process, round_num: int, num_train_clients: int,
       np.zeros([num_train_clients if has_client_state else 0], np.int64))
 
 
-def _raise_if_unreadable(path: str) -> None:
-  """Raises the OSError of a file or directory under `path` that this
-  process may not read (e.g. Permission denied: an environment fault, status
-  3). TFF's loader reports it as any failure, which read as a corrupted
-  checkpoint, with advice to delete it."""
-
-  def fail(error: OSError):
-    raise error
-
-  for directory, _, names in os.walk(path, onerror=fail):
-    for name in names:
-      with open(os.path.join(directory, name), 'rb'):
-        pass
-
-
 class CheckpointManager:
   """Server state + round + client-state index, via tff.program."""
 
@@ -281,7 +267,7 @@ class CheckpointManager:
                          'the run is still training and keeps only its '
                          'newest checkpoints; re-run, or pass a kept '
                          '--checkpoint_round') from e
-      _raise_if_unreadable(path)
+      errors.raise_if_unreadable(path)
       raise incompatible(type(e).__name__) from e
     # TFF checks only the nesting: a model of another task with as many
     # variables loaded, then failed (a traceback) where it was used.

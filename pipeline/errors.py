@@ -37,6 +37,22 @@ class EnvironmentFault(Exception):
   """
 
 
+def raise_if_unreadable(path: str) -> None:
+  """Raises the OSError of a file or directory under `path` that this
+  process may not read (e.g. Permission denied: an environment fault, status
+  3). TF's loaders report it as any other failure, which read as a damaged
+  checkpoint or export (and for a checkpoint, advice to delete it)."""
+  import os  # pylint: disable=g-import-not-at-top
+
+  def fail(error: OSError):
+    raise error
+
+  for directory, _, names in os.walk(path, onerror=fail):
+    for name in names:
+      with open(os.path.join(directory, name), 'rb'):
+        pass
+
+
 def not_a_directory(path: str) -> str:
   """Why `path`, which should be a directory, is not one (for messages)."""
   import os  # pylint: disable=g-import-not-at-top

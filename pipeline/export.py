@@ -11,6 +11,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline import evaluation
+from pipeline import errors
 from pipeline import private_temp
 from pipeline import run_directory
 from pipeline.errors import UsageError
@@ -225,6 +226,7 @@ def load_model_weights(
         trainable=[v.numpy() for v in loaded.trainable_weights],
         non_trainable=[v.numpy() for v in loaded.non_trainable_weights])
   except Exception as e:  # pylint: disable=broad-except
+    errors.raise_if_unreadable(export_dir)
     # A damaged SavedModel fails in many ways (DecodeError, OpError, a
     # missing attribute of another kind of SavedModel, ...).
     raise UsageError(f'{flag} is not a readable export of this pipeline '

@@ -361,19 +361,24 @@ def without_file_permission_override(command):
           f'--inh-caps={capabilities}', *command]
 
 
-@pytest.mark.parametrize('binary', ['evaluate', 'train'])
-def test_an_unreadable_checkpoint_is_an_environment_fault(base, tmp_path,
-                                                          binary):
+@pytest.mark.parametrize('binary, unreadable', [
+    ('evaluate', 'checkpoints/round_3'), ('train', 'checkpoints/round_3'),
+    ('evaluate', 'export')])
+def test_an_unreadable_checkpoint_or_export_is_an_environment_fault(
+    base, tmp_path, binary, unreadable):
   # It read "is corrupted or incompatible with these flags (OpError); ...
-  # or delete it", status 2: advice to delete a sound checkpoint.
+  # or delete it", status 2: advice to delete a sound checkpoint (an export:
+  # "is not a readable export of this pipeline").
   run = tmp_path / 'base'
   lib.copy_run(base, run)
-  data = glob.glob(str(run / 'checkpoints/round_3/variables/*.data-*'))[0]
+  (data,) = glob.glob(str(run / unreadable / 'variables/*.data-*'))
   os.chmod(data, 0)
   before = lib.tree_digest(run)
   args = [f'--root_output_dir={tmp_path}', '--experiment_name=base']
   if binary == 'train':
     args += [*lib.DIGITS_FLAGS, '--total_rounds=4']
+  if unreadable == 'export':
+    args.append(f'--export_dir={run / unreadable}')
   result = subprocess.run(
       without_file_permission_override(
           lib.binary_command(f'binaries.{binary}', *args)),
