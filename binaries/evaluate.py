@@ -178,10 +178,13 @@ def main(argv):
   report = {**source, **metrics}
   if FLAGS.conformal:
     report['conformal'] = conformal_evaluation(task, weights, alphas)
+  # Printed before the files are written: on a full or read-only disk the
+  # write fails (status 3), and the metrics computed are still shown.
+  print(json.dumps(report, sort_keys=True), flush=True)
+  if FLAGS.conformal:
     _write_conformal(report['conformal'],
                      os.path.splitext(output)[0] + '.conformal.csv')
   run_logs.replace_file(output, json.dumps(report, indent=2, sort_keys=True))
-  print(json.dumps(report, sort_keys=True))
 
 
 if __name__ == '__main__':

@@ -47,6 +47,9 @@ class Case:
   setup: Optional[Callable[[Paths], None]] = None
   # A context the command runs in (e.g. a read-only mount).
   during: Optional[Callable[[Paths], contextlib.AbstractContextManager]] = None
+  # The last line of stdout it must print all the same (e.g. the metrics
+  # that evaluate could not write).
+  last_output: Optional[Callable[[str], bool]] = None
 
 
 def train_new(*flags):
@@ -776,9 +779,11 @@ CASES = [
     Case('export_without_checkpoints', 'export', of_base(),
          lambda p: f'{p.base}/checkpoints has no checkpoint',
          setup=without_checkpoints),
+    # Its metrics were computed, then lost with the write.
     Case('read_only_evaluate', 'evaluate', of_base(),
          lambda p: f'{p.base}/evaluation_round_3.json: Read-only file system; '
-         f'{RECOVERY}', status=3, during=read_only_root),
+         f'{RECOVERY}', status=3, during=read_only_root,
+         last_output=lambda line: json.loads(line)['checkpoint_round'] == 3),
     Case('read_only_export', 'export', of_base(),
          lambda p: f'{p.base}: Read-only file system; {RECOVERY}', status=3,
          during=read_only_root),
@@ -847,3 +852,5 @@ def test_bad_input_is_one_error_line_and_changes_nothing(outcomes, case):
   assert lib.error_lines(result) == [
       f'error: {case.message(outcome.paths)}'], result.stderr[-3000:]
   assert outcome.digest_after == outcome.digest_before
+  if case.last_output:
+    assert case.last_output(result.stdout.splitlines()[-1]), result.stdout
