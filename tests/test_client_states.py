@@ -35,8 +35,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _format(directory, specs=None):
-  specs = specs or {'a': tf.TensorSpec([2, 3], tf.float32),
-                    'b': [tf.TensorSpec([4], tf.int64)]}
+  if specs is None:
+    specs = {'a': tf.TensorSpec([2, 3], tf.float32),
+             'b': [tf.TensorSpec([4], tf.int64)]}
   return client_states.StateFormat(
       str(directory), specs,
       lambda: tf.nest.map_structure(lambda s: tf.ones(s.shape, s.dtype),
@@ -443,6 +444,29 @@ def test_overwritten_or_truncated_state_files_are_found(tmp_path,
   os.truncate(truncated, size - 1)
   assert client_states.missing_files(state_format, index, size, header) == [
       overwritten, truncated]
+
+
+@pytest.mark.parametrize('specs', [[], [tf.TensorSpec([0], tf.float32)]],
+                         ids=['no_values', 'zero_size'])
+def test_states_without_values_pass_the_resume_check(tmp_path, specs):
+  # Such a state is its checksum alone, keyed by its name: the header held
+  # the checksum of the key '', so every state failed and FedPVR with
+  # --pvr_last_layers=0 could not resume ("missing or damaged").
+  state_format = _format(tmp_path, specs=specs)
+  index = client_states.StateIndex(['x', 'y'])
+  values = tf.nest.map_structure(lambda s: np.zeros(s.shape, np.float32),
+                                 specs)
+  for client_id in ('x', 'y'):
+    state_format.write(tf.constant(client_id), tf.constant(3, tf.int64),
+                       values)
+  index.commit([0, 1], 3)
+  size = client_states.serialized_size(specs)
+  header = client_states.file_header(specs)
+  # The checksum (4 or 8 bytes) is not part of it.
+  assert len(header) <= size - 4
+  assert client_states.missing_files(state_format, index, size, header) == []
+  tf.nest.map_structure(np.testing.assert_array_equal,
+                        state_format.load('y', 3), values)
 
 
 def test_a_store_in_use_by_another_run_is_refused(train_binary, tmp_path):
