@@ -31,8 +31,10 @@ Last, it prints a verdict for each of the issue's claims 1-4.
       --plot=docs/fedpvr_digits_drift.png
   python -m experiments.fedpvr_digits --root_output_dir=/tmp/fedpvr_fast --fast
 
-Runs that already have `--total_rounds` rounds are not trained again (same
-flags; more rounds resume). Run it from the repository root (`python -m`).
+Runs that already have `--total_rounds` rounds are not trained again (more
+rounds resume); the runs' flags must be those they were trained with (a run
+of other flags is one error line; `--summarize_only` reads the runs as
+they are). Run it from the repository root (`python -m`).
 """
 
 import argparse
@@ -118,14 +120,13 @@ def read_rows(run_dir: str) -> list[dict]:
 
 
 def run_all(args, train=train_in_subprocess) -> None:
-  """Trains every (method, alpha, seed) that has fewer rounds than asked."""
+  """Trains every (method, alpha, seed) run. The binary resumes one with
+  fewer rounds, leaves a finished one as it is (a few seconds), and refuses
+  one trained with other flags: skipping runs that had enough rows reported
+  them under the new flags."""
   for alpha in args.alphas:
     for seed in args.seeds:
       for method in methods(args):
-        name = run_name(method, alpha, seed)
-        if len(read_rows(os.path.join(args.root_output_dir, name))) >= (
-            args.total_rounds):
-          continue
         train(train_argv(method, alpha, seed, args))
 
 

@@ -20,8 +20,9 @@ of the baseline's, at least 90% less client computation and communication).
 
 (DIR: a directory holding ML-100K's u.data or ML-1M's ratings.dat.)
 
-Runs that already have a checkpoint resume (same flags, more rounds); runs
-already at or past --total_rounds are not trained again, and every run is
+Runs that already have a checkpoint resume (same flags, more rounds; a run
+trained with other flags is one error line); runs already at or past
+--total_rounds are not trained again, and every run is
 reported at round --total_rounds (recall@10 of the last evaluation up to it,
 costs averaged over rounds 1..total_rounds).
 """
@@ -107,10 +108,11 @@ def main():
 
   results = {}
   for name, algorithm in RUNS:
-    run_dir = os.path.join(args.root_output_dir, name)
-    if len(read_rows(run_dir, args.total_rounds)) < args.total_rounds:
-      train(name, algorithm, args, data_flags)
-    results[name] = summary(run_dir, args.total_rounds)
+    # Also a finished run: the binary leaves it as it is, and refuses it if
+    # it was trained with other flags (skipped, it was reported as if not).
+    train(name, algorithm, args, data_flags)
+    results[name] = summary(os.path.join(args.root_output_dir, name),
+                            args.total_rounds)
 
   base = results['baseline']
   print(f'\nmovielens, {args.total_rounds} rounds; per client and round: '

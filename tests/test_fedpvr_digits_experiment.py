@@ -33,6 +33,16 @@ def test_fast_variant_holds_claims_one_and_three(tmp_path, capsys):
       assert result.returncode == 0, result.stderr[-3000:]
 
     assert fedpvr_digits.main(argv, train) == 0
+    # Finished runs were skipped, so runs of other flags were reported under
+    # the new ones: every run goes to the binary, which checks its flags.
+    calls = []
+    fedpvr_digits.run_all(fedpvr_digits.parse_args(
+        [*argv, '--learning_rate=0.5']), calls.append)
+    assert len(calls) == 3
+    other = binary.run(calls[0])
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert 'was trained with other values of flags that change results: ' \
+        '--client_learning_rate (run: 0.05, now: 0.5)' in other.stderr
   finally:
     binary.close()
   out = capsys.readouterr().out
