@@ -130,8 +130,19 @@ def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
     status = app.EXIT_INTERRUPTED
   except Exception as e:  # pylint: disable=broad-except
     message = app.environment_fault_message(e)
-    if message is None:
+    if message is not None:
+      print(f'error: {message}', file=sys.stderr)
+      status = app.EXIT_ENVIRONMENT
+    elif _is_setting_error(e):
+      # An experiment's flag of an algorithm setting (e.g. a negative
+      # learning rate) was a traceback; the binaries say it this way.
+      print(f'error: --{e}', file=sys.stderr)
+      status = app.EXIT_USAGE
+    else:
       raise
-    print(f'error: {message}', file=sys.stderr)
-    status = app.EXIT_ENVIRONMENT
   sys.exit(status)
+
+
+def _is_setting_error(error: Exception) -> bool:
+  settings = sys.modules.get('tff_algos.algorithms.settings')
+  return settings is not None and isinstance(error, settings.SettingError)

@@ -2,11 +2,14 @@
 and the residual model wrappers."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import fault_testlib as lib
 from pipeline.errors import UsageError
 from tasks import base
 from tasks import fedres_synthetic
@@ -207,3 +210,18 @@ def test_residual_wrappers_share_the_global_weights():
       tf.random.stateless_normal([10, 2], seed=[3, 4]))
   global_only.set_weights(inner.get_weights())
   np.testing.assert_allclose(global_only(x), inner(x), rtol=1e-6)
+
+
+def test_fedres_movielens_setting_errors_are_one_error_line(tmp_path):
+  # A negative or NaN learning rate was a SettingError traceback, status 1.
+  _write_movielens(str(tmp_path))
+  result = subprocess.run(
+      [sys.executable, '-m', 'experiments.fedres_movielens',
+       f'--movielens_dir={tmp_path}', f'--root_output_dir={tmp_path}/runs',
+       '--rounds=1', '--algorithms=fedres_avg', '--local_learning_rate=-1'],
+      cwd=lib.REPO, env=lib.environment(), capture_output=True, text=True,
+      timeout=600, check=False)
+  assert (result.returncode, lib.error_lines(result)) == (
+      2, ['error: --local_learning_rate must be a finite number >= 0, got '
+          '-1.0']), result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr
