@@ -47,6 +47,9 @@ def test_fast_variant_holds_claims_one_and_three(tmp_path, capsys):
     binary.close()
   out = capsys.readouterr().out
   assert 'claim 1: FedAvg drift diversity highest in the output layer' in out
+  # No run reaches 90% in 6 rounds: they all tie at 7, which made "later
+  # start not worse" hold by default.
+  assert 'later start not worse: not measured' in out
 
   args = fedpvr_digits.parse_args(argv)
   results = fedpvr_digits.summarize(args)
