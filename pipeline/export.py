@@ -10,8 +10,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from pipeline import evaluation
 from pipeline import errors
+from pipeline import evaluation
 from pipeline import private_temp
 from pipeline import run_directory
 from pipeline.errors import UsageError
