@@ -453,8 +453,8 @@ def file_header(specs) -> bytes:
 
   A state's file is a serialized TensorProto: its dtypes, shapes and lengths
   come first and are the same for every state of `specs`, then the values.
-  Found as what two states with different values (zeros, and values with no
-  zero byte) have in common at the start. A file overwritten with other bytes
+  Found as what states with different values (zeros, and values with no
+  zero byte) and names have in common at the start. A file overwritten with other bytes
   fails this check; damage inside the values themselves does not (that would
   take a checksum of every state, read and written every round).
   """
