@@ -52,6 +52,7 @@ from pipeline.errors import UsageError
 # The CNN of tasks/digits.py: 8 trainable variables in 4 layers.
 NUM_LAYERS = 4
 LAYER_NAMES = ('conv1', 'conv2', 'dense', 'output')
+NUM_VARIABLES = 2 * NUM_LAYERS  # a kernel and a bias each
 CNN_PARAMETERS = 38282
 BYTES_PER_PARAMETER = 4
 DRIFT_METHODS = ('fedavg', 'scaffold')  # and every pvr_j<j>
@@ -330,8 +331,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--seeds', default='0,1,2')
   parser.add_argument('--pvr_starts', default='6,4,2',
                       help='FedPVR runs: --pvr_start_variable values.')
-  parser.add_argument('--client_epochs', type=int, default=5)
-  parser.add_argument('--client_batch_size', type=int, default=20)
+  parser.add_argument('--client_epochs', type=cli.positive_int, default=5)
+  parser.add_argument('--client_batch_size', type=cli.positive_int,
+                      default=20)
   parser.add_argument('--learning_rate', type=float, default=0.05)
   parser.add_argument('--fedprox_mu', type=float, default=0.1)
   parser.add_argument('--pvr_client_optimizer', default='sgd',
@@ -358,6 +360,22 @@ def parse_args(argv=None) -> argparse.Namespace:
       parser.error(f'argument --{name}: {e}')
   if args.total_rounds < 1:
     parser.error(f'argument --total_rounds: {args.total_rounds} is not >= 1')
+  # Checked before any run trains (the binary refused them only when their
+  # run came, after the runs before it had trained).
+  for start in args.pvr_starts:
+    if not 0 <= start <= NUM_VARIABLES:
+      parser.error(f'argument --pvr_starts: {start} is not a variable index '
+                   f'of the CNN (0..{NUM_VARIABLES})')
+  if args.with_fedprox and not args.fedprox_mu >= 0:
+    # FedProx trains second: refused by the binary after FedAvg trained.
+    parser.error(f'argument --fedprox_mu: {args.fedprox_mu} is not a number '
+                 '>= 0')
+  if args.pvr_client_optimizer != 'sgd':
+    from tff_algos.algorithms import settings  # pylint: disable=g-import-not-at-top
+    if args.pvr_client_optimizer not in settings.OPTIMIZERS:
+      parser.error(f'argument --pvr_client_optimizer: '
+                   f'{args.pvr_client_optimizer!r} is not one of '
+                   f'{", ".join(settings.OPTIMIZERS)}')
   if not 0 < args.target_accuracy <= 1:
     parser.error(f'argument --target_accuracy: {args.target_accuracy} is not '
                  'an accuracy in (0, 1]')

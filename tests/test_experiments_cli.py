@@ -1,7 +1,7 @@
 """The experiments' (and the peer benchmark's) bad flags end with one
 `error: ...` line and status 2, as the binaries' do (experiments/cli.py);
-each command here fails before it trains or imports TensorFlow (a fraction
-of a second)."""
+each command here fails before it trains, most before they import
+TensorFlow (a fraction of a second)."""
 
 import os
 import signal
@@ -69,6 +69,18 @@ def run(module, *args):
     # No run can reach it: every method ">30 rounds" to the target.
     ('experiments.fedpvr_digits', ['--target_accuracy=2'],
      'argument --target_accuracy: 2.0 is not an accuracy in (0, 1]'),
+    # Refused by the binary only when their run came, after the runs
+    # before it had trained.
+    ('experiments.fedpvr_digits', ['--pvr_starts=6,9'],
+     'argument --pvr_starts: 9 is not a variable index of the CNN (0..8)'),
+    ('experiments.fedpvr_digits', ['--fedprox_mu=-1'],
+     'argument --fedprox_mu: -1.0 is not a number >= 0'),
+    # Imports TensorFlow for the optimizers' names (a few seconds).
+    ('experiments.fedpvr_digits', ['--pvr_client_optimizer=bogus'],
+     "argument --pvr_client_optimizer: 'bogus' is not one of sgd, sgdm, "
+     'adam, yogi, adagrad, rmsprop'),
+    ('experiments.fedpvr_digits', ['--client_epochs=0'],
+     "argument --client_epochs: '0' is not an integer >= 1"),
     # argparse's usage block and `compare.py: error:` line.
     ('benchmarks.peers.compare', ['--pairs=0'],
      '--pairs, --rounds and --warmup_rounds must be >= 1'),
