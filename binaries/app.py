@@ -54,6 +54,31 @@ _ENVIRONMENT_MESSAGES = ('No space left on device', 'Read-only file system',
 _RECOVERY = ('fix that and re-run the same command (what was written before '
              'is kept)')
 
+# Set by an experiment for the binaries it runs: their users name runs by the
+# experiment's --root_output_dir and cannot pass the binary's run flags, so
+# advice naming those is rewritten (`advice_for_experiments`).
+RUN_BY_EXPERIMENT_ENV = 'FL_PIPELINE_RUN_BY_EXPERIMENT'
+_EXPERIMENT_ADVICE = (
+    (re.compile(r', use a new --experiment_name, or pass '
+                r'--allow_flag_changes to [^;)]*'),
+     ', or use another --root_output_dir'),
+    (re.compile(r',? (?:even )?with --allow_flag_changes'), ''),
+    (re.compile(r',? or pass --allow_flag_changes to [^;)]*'), ''),
+    (re.compile(r'(?:start|train) a new --experiment_name'),
+     'use another --root_output_dir'),
+    (re.compile(r'(?:a new|another) --experiment_name'),
+     'another --root_output_dir'),
+)
+
+
+def advice_for_experiments(message: str) -> str:
+  """`message` with the binary's advice on its run flags (a new
+  --experiment_name, --allow_flag_changes) put as an experiment's user can
+  follow it (another --root_output_dir)."""
+  for pattern, replacement in _EXPERIMENT_ADVICE:
+    message = pattern.sub(replacement, message)
+  return message
+
 
 def first_line(text) -> str:
   """The gist of an error text: its first line, without TensorFlow's
@@ -274,6 +299,8 @@ def run(main, allow_positional_args: bool = False) -> None:
   sys.unraisablehook = _unraisable_unless_interrupt
 
   def fail(message: str, status: int):
+    if os.environ.get(RUN_BY_EXPERIMENT_ENV):
+      message = advice_for_experiments(message)
     print(f'error: {message}', file=sys.stderr)
     tff_runtime.shutdown_workers()
     exit_without_finalizing(status)

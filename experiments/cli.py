@@ -10,6 +10,7 @@ error line, which a CalledProcessError traceback used to follow.
 import argparse
 import logging as logging_lib
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -77,15 +78,19 @@ def positive_int(text: str) -> int:
 
 def run_binary(command: list[str], **kwargs) -> None:
   """Runs a binary of the project; when it fails, this process ends with
-  its status, below the binary's own `error: ...` line.
+  its status, below the binary's own `error: ...` line (whose advice names
+  the experiment's --root_output_dir, not the binary's run flags).
 
   The binary gets SIGTERM when this process dies: killed with SIGTERM, an
   experiment left its training running on, TFF worker and all. Ctrl-C
   reaches both (one process group): the binary stops cleanly and says so
   (subprocess.run SIGKILLed it, and a second line followed).
   """
+  environment = dict(kwargs.pop('env', None) or os.environ)
+  environment[app.RUN_BY_EXPERIMENT_ENV] = '1'
   process = subprocess.Popen(
-      tff_runtime.die_with_parent(command, signal.SIGTERM), **kwargs)
+      tff_runtime.die_with_parent(command, signal.SIGTERM), env=environment,
+      **kwargs)
   try:
     status = process.wait()
   except KeyboardInterrupt:

@@ -139,3 +139,43 @@ def test_a_killed_experiment_takes_its_binary_along(tmp_path):
   if not gone:
     os.kill(child, signal.SIGKILL)
   assert gone
+
+
+def test_a_refused_rerun_names_the_experiments_flag(tmp_path):
+  # The binary's advice named its own run flags (a new --experiment_name,
+  # --allow_flag_changes), which an experiment does not take.
+  flags = [f'--root_output_dir={tmp_path}', '--total_rounds=1',
+           '--client_steps=1', '--learning_rates=0.3', '--runtime=native',
+           '--num_clients=4', '--clients_per_round=2']
+  first = run('experiments.scaffold_digits', *flags)
+  assert first.returncode in (0, 1), first.stderr  # 1: a claim failed
+  result = run('experiments.scaffold_digits', *flags, '--seed=1')
+  assert (result.returncode, result.stderr) == (
+      2, f'error: {tmp_path}/fedavg_K1_lr0.3 was trained with other values '
+      'of flags that change results: --seed (run: 0, now: 1); repeat the '
+      "run's values, or use another --root_output_dir\n")
+
+
+@pytest.mark.parametrize('binary_line, experiment_line', [
+    ("d was trained with other values of flags that cannot change in a run, "
+     "even with --allow_flag_changes: --a (b); repeat the run's values or use "
+     'a new --experiment_name',
+     "d was trained with other values of flags that cannot change in a run: "
+     "--a (b); repeat the run's values or use another --root_output_dir"),
+    ('d/hparams.json not found: the flags of the run are unknown (restore the '
+     "file, or pass --allow_flag_changes to record this command's)",
+     'd/hparams.json not found: the flags of the run are unknown (restore the '
+     'file)'),
+    ('2 client state file(s) of checkpoint round 2 are missing or damaged '
+     '(e.g. f); the run cannot resume exactly. Restore the directory or start '
+     'a new --experiment_name',
+     '2 client state file(s) of checkpoint round 2 are missing or damaged '
+     '(e.g. f); the run cannot resume exactly. Restore the directory or use '
+     'another --root_output_dir'),
+    ('d is a file, not a run directory; use another --experiment_name',
+     'd is a file, not a run directory; use another --root_output_dir'),
+])
+def test_advice_on_run_flags_is_put_for_experiments(binary_line,
+                                                    experiment_line):
+  from binaries import app  # pylint: disable=g-import-not-at-top
+  assert app.advice_for_experiments(binary_line) == experiment_line
