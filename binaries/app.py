@@ -51,6 +51,8 @@ _ENVIRONMENT_MESSAGES = ('No space left on device', 'Read-only file system',
                          'attempt to write a readonly database',
                          # Memory: e.g. a model too large for the machine.
                          'OOM when allocating')
+_TF_PATH_SEPARATOR = re.compile('; (?=' + '|'.join(
+    map(re.escape, _ENVIRONMENT_MESSAGES[:4])) + ')')
 _RECOVERY = ('fix that and re-run the same command (what was written before '
              'is kept)')
 
@@ -123,6 +125,9 @@ def _line_naming_the_fault(text: str) -> Optional[str]:
     if any(marker in line for marker in _ENVIRONMENT_MESSAGES):
       line = re.sub(r'^\s*details = "', '', line)
       line = re.sub(r'^Failed to run computation: ', '', line)
+      # TF writes `path; No space left on device`; the OS's errors read
+      # `path: ...` (OSError above), and both now do.
+      line = _TF_PATH_SEPARATOR.sub(': ', line)
       return first_line(line).rstrip('"')
   return None
 

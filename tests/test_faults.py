@@ -337,7 +337,7 @@ def test_full_disk_is_one_error_and_the_run_resumes(base, train_binary,
     assert full.returncode == 3, full.stderr[-3000:]
     assert 'Traceback' not in full.stderr
     (line,) = lib.error_lines(full)
-    assert re.fullmatch(rf'error: {disk}/base/\S+; No space left on device'
+    assert re.fullmatch(rf'error: {disk}/base/\S+: No space left on device'
                         + re.escape(RECOVERY), line), line
     resize(4096)
     resumed = train_base(train_binary, disk)
@@ -550,19 +550,19 @@ _GrpcError.__module__ = 'grpc._channel'
      'database or disk is full'),
     (tf.errors.ResourceExhaustedError(
         None, None, '{{function_node x}} /r/v.data; No space left on device '
-        '[Op:SaveV2]'), '/r/v.data; No space left on device'),
+        '[Op:SaveV2]'), '/r/v.data: No space left on device'),
     # The native runtime: TF names the failing path on a later line.
     (tf.errors.ResourceExhaustedError(
         None, None, 'Graph execution error:\n\nDetected at node WriteFile\n'
         '/r/s/round_2/AA.state; No space left on device\n\t [[{{node '
         'WriteFile}}]]\nHint: ...\n [Op:__inference_f_10]'),
-     '/r/s/round_2/AA.state; No space left on device'),
+     '/r/s/round_2/AA.state: No space left on device'),
     # TFF's runtime: a worker's failed computation, as gRPC passes it on.
     (_GrpcError('<_InactiveRpcError of RPC that terminated with:\n\tstatus = '
                 'StatusCode.INTERNAL\n\tdetails = "Failed to run computation: '
                 '/r/s/round_2/AA.state; No space left on device\n\t [[{{'
                 'function_node cond}}{{node WriteFile}}]]\nHint: ..."\n>'),
-     '/r/s/round_2/AA.state; No space left on device'),
+     '/r/s/round_2/AA.state: No space left on device'),
     (EnvironmentFault('the TFF worker w exited'), 'the TFF worker w exited'),
     # A model too large for memory (--movielens_embedding_dim=2**40) was a
     # traceback.
