@@ -22,6 +22,7 @@ from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms import settings as settings_lib
 from tff_algos.algorithms.baselines import definition as baselines
 from tff_algos.algorithms.mixed import definition as mixed
+from tff_algos.runtime import cohort
 
 # --- A linear model and its numpy twin ---------------------------------------
 
@@ -291,6 +292,28 @@ def test_one_way_gradient_transfer_one_round(one_way_gt):
   np.testing.assert_allclose(model_theta(one_way_gt, state), expected,
                              rtol=1e-5)
   assert metrics['central']['num_steps'] == 1
+
+
+@pytest.mark.parametrize('name', ['pt', 'one_way_gt', 'two_way_gt'])
+def test_the_process_is_a_tff_iterative_process(request, name):
+  algorithm = request.getfixturevalue(name)
+  process = algorithm.process
+  iterative = process.iterative_process
+  assert isinstance(iterative, tff.templates.IterativeProcess)
+  state = initial_state(algorithm)
+  expected_state, expected_metrics = run_round(algorithm, state)
+  round_info = collections.OrderedDict(round_num=np.int64(1),
+                                       server_seed=np.int64(0))
+  if process.broadcast_needs_central:
+    round_info['central'] = process.central_computation(state, round_info)
+  ids = np.asarray(['client_0', 'client_1'], dtype=object)
+  [group] = cohort.groups(ids, np.zeros(2, np.int64), None, 2)
+  state, metrics = iterative.next(state, [group], round_info)
+  for ours, theirs in zip(tf.nest.flatten(state),
+                          tf.nest.flatten(expected_state)):
+    np.testing.assert_array_equal(ours, theirs)
+  assert float(metrics['train']['loss']) == float(
+      expected_metrics['train']['loss'])
 
 
 def test_two_way_gradient_transfer_two_rounds(two_way_gt):

@@ -122,6 +122,19 @@ class RoundProcess:
     return (self.central_computation is not None and
             self.clients_computation is None)
 
+  @property
+  def iterative_process(self) -> tff.templates.IterativeProcess:
+    """`initialize` and `next` as a `tff.templates.IterativeProcess`, for
+    TFF's own tooling: next(state@SERVER, groups@CLIENTS, round@SERVER) ->
+    <state, metrics>@SERVER. `round` is <round_num, server_seed> (int64),
+    and for 1-w GT also `central`, the result of `central_computation`
+    (state, <round_num, server_seed>), which the caller runs first, as
+    `next` here does; `groups` are `runtime.cohort.groups`. Nothing is
+    placed at CLIENTS in the result: client states stay in their files."""
+    return tff.templates.IterativeProcess(self.initialize_computation,
+                                          self.next_computation,
+                                          next_is_multi_arg=True)
+
   def initialize(self):
     return self.initialize_computation()
 
