@@ -503,6 +503,12 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
                      '--worker_addresses uses running ones; pass one of them')
   if num_subrounds < 0:
     raise UsageError(f'--num_subrounds must be >= 0, got {num_subrounds}')
+  if worker_addresses and max_concurrent_computation_calls > 0:
+    # It was ignored: a running worker's cap is set where it was started.
+    raise UsageError('--max_concurrent_computation_calls caps the workers '
+                     'this process starts, and --worker_addresses starts '
+                     'none: start each worker with `worker_binary '
+                     '--max_concurrent_computation_calls=N` instead')
   _stop_context_workers()
   global _partitions, _server_context
   mergeable = worker_addresses or num_workers > 1 or num_subrounds > 1

@@ -326,6 +326,9 @@ def test_bad_worker_counts_are_usage_errors():
                                     worker_addresses=('localhost:1',))
   with pytest.raises(UsageError, match='--num_subrounds'):
     tff_runtime.configure_execution(num_subrounds=-1)
+  # Remote workers' caps are their own: the flag was ignored.
+  with pytest.raises(UsageError, match='starts none'):
+    tff_runtime.configure_execution(4, worker_addresses=('localhost:1',))
 
 
 def test_replacing_the_context_does_not_wait_on_an_unresponsive_worker():
