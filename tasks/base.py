@@ -184,7 +184,12 @@ def client_batches(examples: tf.data.Dataset, config: DataConfig,
 
   With `client_steps` the shuffled data repeats, so every client takes exactly
   K steps (unless it has no data); with `client_epochs` a client takes
-  E * ceil(n_i / B) steps, so K_i varies with the client's size.
+  E * ceil(n_i / B) steps, so K_i varies with the client's size: each epoch
+  is its own reshuffled pass split into batches of B, the last one smaller
+  when B does not divide n_i ([FedAvg] Alg. 1). (Batching the E passes as one
+  stream, as TFF's tutorials and baselines do, puts examples of two epochs
+  in one batch, an example twice when n_i < B, and takes ceil(E n_i / B)
+  steps.)
   """
   examples = examples.shuffle(config.shuffle_buffer, seed=seed,
                               reshuffle_each_iteration=True)
@@ -192,8 +197,8 @@ def client_batches(examples: tf.data.Dataset, config: DataConfig,
     batches = examples.repeat().batch(config.client_batch_size).take(
         config.client_steps)
   else:
-    batches = examples.repeat(config.client_epochs).batch(
-        config.client_batch_size)
+    batches = examples.batch(config.client_batch_size).repeat(
+        config.client_epochs)
   return batches.with_options(without_pipeline_rewrites())
 
 

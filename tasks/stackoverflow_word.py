@@ -132,7 +132,7 @@ def build_task(config: base.DataConfig) -> base.Task:
         config.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
     if config.client_steps is not None:
       return to_batches(sentences.repeat()).take(config.client_steps)
-    return to_batches(sentences.repeat(config.client_epochs))
+    return to_batches(sentences).repeat(config.client_epochs)
 
   def eval_datasets():
     sentences = test.create_tf_dataset_from_all_clients(seed=0).take(

@@ -180,3 +180,21 @@ def test_a_repeated_batch_beyond_the_memory_is_a_usage_error():
   batches = list(task.client_dataset_computation(
       id=task.train_client_ids[0], seed=1))
   assert len(batches) == 1
+
+
+@pytest.mark.parametrize('n, batch_size, epochs', [(3, 2, 2), (1, 2, 3),
+                                                   (5, 4, 3), (4, 2, 2)])
+def test_epochs_are_passes_of_their_own_batches(n, batch_size, epochs):
+  # [FedAvg] Alg. 1: each epoch splits the client's data into batches of B.
+  # The E passes were batched as one stream: ceil(E n / B) steps, batches
+  # across two epochs, an example twice in a batch when n < B.
+  config = base.DataConfig(client_batch_size=batch_size, client_epochs=epochs)
+  batches = [b.numpy().tolist() for b in base.client_batches(
+      tf.data.Dataset.range(n), config, tf.constant(7, tf.int64))]
+  per_epoch = -(-n // batch_size)
+  assert len(batches) == epochs * per_epoch
+  passes = [sum(batches[e * per_epoch:(e + 1) * per_epoch], [])
+            for e in range(epochs)]
+  assert all(sorted(p) == list(range(n)) for p in passes)
+  if n >= 4:
+    assert len({tuple(p) for p in passes}) > 1  # reshuffled every epoch
