@@ -468,6 +468,28 @@ def test_diagnostics_average_over_clients_that_measured_a_gradient(pt):
 # --- Special cases ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize('name', [mixed.PARALLEL_TRAINING, mixed.ONE_WAY_GT,
+                                  mixed.TWO_WAY_GT])
+def test_a_round_without_client_data_keeps_the_server_optimizer(build, name):
+  # As FedAvg's finalizer keeps x and its state (a 0/0 mean, rejected):
+  # ServerOpt(x, 0) moved x by sgdm's momentum (0.9 x round 1's step).
+  algorithm = build(name, HP, server_optimizer='sgdm')
+  state, _ = run_round(algorithm, initial_state(algorithm))
+  empty = tf.data.Dataset.from_tensor_slices(
+      (np.zeros((0, 2), np.float32), np.zeros((0, 1), np.float32))).batch(2)
+  client = algorithm.data.set_client('client_without_data', empty)
+  algorithm.data.set_central(0, to_dataset(CENTRAL_BATCHES))
+  after, metrics = round_testing.run_round(algorithm.process, state, [client],
+                                           round_num=2, server_seed=0)
+  assert int(metrics['train']['num_examples']) == 0
+  for before, kept in zip(tf.nest.flatten(state['server_optimizer']),
+                          tf.nest.flatten(after['server_optimizer'])):
+    np.testing.assert_array_equal(before, kept)
+  if name == mixed.ONE_WAY_GT:  # x_f is the new x: it stays.
+    np.testing.assert_array_equal(model_theta(algorithm, after),
+                                  model_theta(algorithm, state))
+
+
 def test_pt_equals_1wgt_with_one_step(pt, one_way_gt):
   """K=1, eta_c=eta, eta_s=eta_m=1, same central batch: same next model."""
   rng = np.random.default_rng(0)
@@ -598,6 +620,9 @@ def test_baseline_communication_bytes(data):
     (2, dict(mixed_diagnostics=True, federated_weight=0.0),
      'mixed_diagnostics'),
     (2, dict(federated_weight=0.0, central_weight=0.0), 'federated_weight'),
+    # [MixedFL] Def. 4.2: proportions; eq. 7's G^2 came out negative.
+    (2, dict(federated_weight=1.0, central_weight=1.0), 'federated_weight'),
+    (2, dict(federated_weight=0.5, central_weight=0.0), 'federated_weight'),
 ])
 def test_bad_configuration_is_a_usage_error(client_steps, settings, name):
   # A SettingError names the flag; the binaries print `error: --<name> ...`.

@@ -40,6 +40,8 @@ PARALLEL_TRAINING = 'mixed_pt'
 ONE_WAY_GT = 'mixed_1wgt'
 TWO_WAY_GT = 'mixed_2wgt'
 NAMES = (PARALLEL_TRAINING, ONE_WAY_GT, TWO_WAY_GT)
+# w_f + w_c may differ from 1 by a flag's decimal rounding (0.73 + 0.27).
+WEIGHT_SUM_TOLERANCE = 1e-9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,14 @@ class OneWayGtSettings(settings_lib.ClientOptimizerSettings):
       raise settings_lib.SettingError(
           'mixed_diagnostics', 'needs --federated_weight > 0 and '
           '--central_weight > 0 (eq. 7 divides by both)')
+    total = self.federated_weight + self.central_weight
+    if abs(total - 1) > WEIGHT_SUM_TOLERANCE:
+      # Other sums only rescale the learning rates, and eq. 7's diagnostics
+      # assume proportions (G^2 came out negative).
+      raise settings_lib.SettingError(
+          'federated_weight', f'and --central_weight are proportions of '
+          f'influence that sum to 1 ([MixedFL] Def. 4.2), got '
+          f'{self.federated_weight:g} + {self.central_weight:g} = {total:g}')
 
 
 @dataclasses.dataclass(frozen=True)

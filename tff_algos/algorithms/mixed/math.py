@@ -437,6 +437,12 @@ def server_update(settings: RoundSettings,
   new_state = collections.OrderedDict()
   optimizer_state, x_f = apply_delta(server_optimizer,
                                      state['server_optimizer'], x, delta)
+  # A round without client data keeps x_f = x and ServerOpt's state, as
+  # FedAvg's finalizer does (its mean is 0/0, not finite, so rejected): a
+  # step on a zero delta still moves a momentum or adaptive optimizer.
+  optimizer_state, x_f = tf.cond(
+      client_weight_sum > 0, lambda: (optimizer_state, x_f),
+      lambda: (state['server_optimizer'], x))
   new_state['server_optimizer'] = optimizer_state
   if settings.has_central_model:
     delta_f = subtract(x_f, x)
