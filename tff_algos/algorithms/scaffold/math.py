@@ -117,9 +117,11 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   y <- y - eta * (g - c_i + c) with plain SGD (so Option II's closed form
   holds exactly), unmasked variables take `client_optimizer`'s step on g
   (freshly initialized each round, as in tff.learning's FedAvg). With
-  Option I, a first pass over the client's data at x computes
-  c_i+ = g_i(x) (the example-weighted mean gradient); the training pass
-  follows (the data reshuffled).
+  Option I, a first pass at x over the client's round data (its E epochs'
+  batches, or with `--client_steps` its K batches, which repeat examples
+  when K batches exceed the data) computes c_i+ = g_i(x), their
+  example-weighted mean gradient; the training pass follows (the data
+  reshuffled).
 
   The context is the client's `tff.learning` VariableModel; the message
   holds `global_model_weights` (x) and `control_variate` (c); the client
