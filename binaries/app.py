@@ -296,6 +296,11 @@ def exit_without_finalizing(status: int) -> None:
     os._exit(status)  # pylint: disable=protected-access
 
 
+_HELP_FLAGS = frozenset(
+    ('--help', '-help', '-h', '-?', '--helpshort', '-helpshort', '--helpfull',
+     '-helpfull', '--helpxml', '-helpxml'))
+
+
 def run(main, allow_positional_args: bool = False) -> None:
   tff_runtime.install_shutdown_hooks()
   private_temp.use_private_temp_dir()
@@ -311,6 +316,11 @@ def run(main, allow_positional_args: bool = False) -> None:
     exit_without_finalizing(status)
 
   def guarded_main(argv):
+    # Notes read `WARNING: <message>`, not absl's `W1127 03:40:39.567080
+    # 140476141452160 run_logs.py:191] <message>`, which reads as an
+    # internal fault (absl installs its handler in app.run).
+    logging.get_absl_handler().setFormatter(
+        logging_lib.Formatter('%(levelname)s: %(message)s'))
     logging_lib.getLogger('tensorflow').addFilter(_UnusedAssertionFilter())
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)
@@ -361,6 +371,8 @@ def run(main, allow_positional_args: bool = False) -> None:
     if isinstance(e.code, str):
       print(e.code, file=sys.stderr)
     status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    if status == 1 and _HELP_FLAGS.intersection(sys.argv[1:]):
+      status = 0  # absl's help flags exit 1, which here means a bug.
   finally:
     # The work is done (or failed, and said so): a Ctrl-C now would cut the
     # workers' shutdown short with a traceback, or end Python's

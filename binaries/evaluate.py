@@ -39,6 +39,8 @@ from pipeline import run_logs
 from pipeline.errors import UsageError
 
 FLAGS = flags.FLAGS
+# --help lists the run, task and algorithm flags, not only this module's.
+flags.adopt_module_key_flags(flags_lib)
 flags.DEFINE_string('export_dir', None,
                     'Evaluate this export instead of a checkpoint.')
 flags_lib.refuse_empty('export_dir')

@@ -23,6 +23,8 @@ from pipeline import export as export_lib
 from pipeline import run_directory
 
 FLAGS = flags.FLAGS
+# --help lists the run, task and algorithm flags, not only this module's.
+flags.adopt_module_key_flags(flags_lib)
 flags.DEFINE_string('export_dir', None, 'Where to write (default <run>/export).')
 flags_lib.refuse_empty('export_dir')
 flags_lib.require_utf8('export_dir')

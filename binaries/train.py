@@ -16,6 +16,8 @@ from tasks import registry as task_registry
 from tff_algos.aggregation import factories
 
 FLAGS = flags.FLAGS
+# --help lists the run, task and algorithm flags, not only this module's.
+flags.adopt_module_key_flags(flags_lib)
 flags.DEFINE_boolean(
     'allow_flag_changes', False,
     'Resume even though flags that change results differ from the run\'s '

@@ -19,8 +19,9 @@ import sys
 
 # What an interrupted binary prints (after "error: ") and its status, as a
 # shell reports a SIGINT.
-INTERRUPTED = ('interrupted; re-run the same command to go on (what was '
-               'written before is kept)')
+# A training run's rounds after its last checkpoint are trained again.
+INTERRUPTED = ('interrupted; re-run the same command to go on (a training '
+               'run from its last checkpoint)')
 EXIT_INTERRUPTED = 130
 
 _depth = 0

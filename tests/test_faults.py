@@ -145,8 +145,8 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
     process.kill()
   assert process.returncode == 130, stderr[-3000:]
   assert stderr.strip().splitlines() == [
-      'error: interrupted; re-run the same command to go on (what was '
-      'written before is kept)'], stderr[-3000:]
+      'error: interrupted; re-run the same command to go on (a training '
+      'run from its last checkpoint)'], stderr[-3000:]
   assert not os.listdir(temp)
 
   # SIGKILL while training; meanwhile a second trainer is refused.
@@ -227,12 +227,12 @@ def test_a_second_ctrl_c_during_the_clean_up_is_ignored(tmp_path):
     process.kill()
   assert process.returncode == 130, stderr[-3000:]
   assert [l for l in stderr.splitlines() if not l.startswith('round ')] == [
-      'error: interrupted; re-run the same command to go on (what was '
-      'written before is kept)'], stderr[-3000:]
+      'error: interrupted; re-run the same command to go on (a training '
+      'run from its last checkpoint)'], stderr[-3000:]
 
 
 INTERRUPTED_LINE = ('error: interrupted; re-run the same command to go on '
-                    '(what was written before is kept)')
+                    '(a training run from its last checkpoint)')
 
 
 @pytest.mark.time_limit(600)
@@ -294,8 +294,8 @@ def test_ctrl_c_prints_nothing_about_what_it_cut_short(tmp_path):
                           env=lib.environment())
   assert result.returncode == 130, result.stderr[-3000:]
   assert result.stderr.splitlines() == [
-      'error: interrupted; re-run the same command to go on (what was '
-      'written before is kept)'], result.stderr[-3000:]
+      'error: interrupted; re-run the same command to go on (a training '
+      'run from its last checkpoint)'], result.stderr[-3000:]
 
 
 def test_resume_removes_what_a_cut_off_checkpoint_write_left(
