@@ -385,7 +385,22 @@ def run(main, allow_positional_args: bool = False) -> None:
 class ArgumentParser(argparse.ArgumentParser):
   """argparse, for the commands that use it (experiments, peer benchmarks),
   with the binaries' one line `error: ...` and status 2 instead of its usage
-  block and `prog: error: ...` line."""
+  block and `prog: error: ...` line, and flag names taken as written, as
+  absl takes them: argparse's prefixes ran `--total_round=3` as
+  `--total_rounds=3`, and reported a misspelt required flag as missing."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault('allow_abbrev', False)
+    super().__init__(*args, **kwargs)
+
+  def parse_known_args(self, args=None, namespace=None):
+    args = sys.argv[1:] if args is None else list(args)
+    options = args[:args.index('--')] if '--' in args else args
+    unknown = [arg for arg in options if arg.startswith('--') and
+               arg.split('=', 1)[0] not in self._option_string_actions]
+    if unknown:
+      self.error(f'unrecognized arguments: {" ".join(unknown)}')
+    return super().parse_known_args(args, namespace)
 
   def error(self, message):
     print(f'error: {message}', file=sys.stderr)

@@ -179,3 +179,17 @@ def test_advice_on_run_flags_is_put_for_experiments(binary_line,
                                                     experiment_line):
   from binaries import app  # pylint: disable=g-import-not-at-top
   assert app.advice_for_experiments(binary_line) == experiment_line
+
+
+@pytest.mark.parametrize('args, message', [
+    # argparse's prefix matching ran it as --total_rounds=3.
+    (['--total_round=3'], 'unrecognized arguments: --total_round=3'),
+    # Reported as "the following arguments are required: --root_output_dir".
+    (['--root_output_dirr=x'], 'unrecognized arguments: --root_output_dirr=x'),
+])
+def test_flag_names_are_taken_as_written(tmp_path, args, message):
+  if not any(a.startswith('--root_output_dir') for a in args):
+    args = [f'--root_output_dir={tmp_path}/runs', *args]
+  result = run('experiments.scaffold_digits', *args)
+  assert (result.returncode, result.stderr) == (2, f'error: {message}\n')
+  assert not (tmp_path / 'runs').exists()
