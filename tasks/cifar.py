@@ -153,10 +153,16 @@ class _TfdsSource:
     try:
       return self._builder.as_dataset(split=split, shuffle_files=False)
     except Exception as e:  # pylint: disable=broad-except
+      name = self._spec.name
+      if not self._builder.is_prepared():
+        # It said "(test split) ... (AssertionError)".
+        raise UsageError(
+            f'no prepared TFDS {name} in --data_dir: {self.location} does not '
+            f'hold it; prepare it (`tfds build {name} --data_dir=DIR`), pass '
+            '--download to fetch it, or --use_synthetic_data') from e
       raise UsageError(
-          f'no prepared TFDS {self._spec.name} ({split} split) in --data_dir='
-          f'{self._builder.data_dir or "~/tensorflow_datasets"} '
-          f'({type(e).__name__}); pass --download to fetch it, or '
+          f'TFDS {name} in {self.location} cannot be read ({split} split: '
+          f'{type(e).__name__}); prepare it again, or pass '
           '--use_synthetic_data') from e
 
   def train_arrays(self):
