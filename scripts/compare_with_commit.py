@@ -135,8 +135,17 @@ def main() -> int:
   args = parser.parse_args()
   work = tempfile.mkdtemp(prefix='compare_')
   old_tree = os.path.join(work, 'tree')
-  subprocess.run(['git', 'worktree', 'add', '--detach', old_tree,
-                  args.commit], cwd=ROOT, check=True, capture_output=True)
+  added = subprocess.run(['git', 'worktree', 'add', '--detach', old_tree,
+                          args.commit], cwd=ROOT, capture_output=True,
+                         text=True)
+  if added.returncode:
+    # Was a CalledProcessError traceback (e.g. outside a git checkout), and
+    # the temporary directory stayed.
+    shutil.rmtree(work, ignore_errors=True)
+    problem = (added.stderr.strip().splitlines() or ['git failed'])[-1]
+    print(f'error: cannot check out --commit={args.commit} from {ROOT} '
+          f'(needs a git checkout that has it): {problem}', file=sys.stderr)
+    return 2
   os.symlink(os.path.join(ROOT, '.venv'), os.path.join(old_tree, '.venv'))
   identical = 0
   names = QUICK if args.quick else tuple(COMMANDS)

@@ -197,8 +197,16 @@ def _show(commit: str, path: str) -> str:
   if commit == '.':
     with open(os.path.join(ROOT, path), encoding='utf-8') as f:
       return f.read()
-  return subprocess.run(['git', 'show', f'{commit}:{path}'], cwd=ROOT,
-                        check=True, capture_output=True, text=True).stdout
+  shown = subprocess.run(['git', 'show', f'{commit}:{path}'], cwd=ROOT,
+                         capture_output=True, text=True)
+  if shown.returncode:
+    # Was a CalledProcessError traceback (e.g. outside a git checkout).
+    problem = (shown.stderr.strip().splitlines() or ['git failed'])[-1]
+    print(f'error: cannot read {path} at {commit} (needs a git checkout '
+          f'that has it; --new=. reads the working tree): {problem}',
+          file=sys.stderr)
+    sys.exit(2)
+  return shown.stdout
 
 
 def count_side(commit: str, paths, classify, verbose: bool
