@@ -111,8 +111,8 @@ flags.DEFINE_float('similarity', None,
                    '(default 0).')
 flags.DEFINE_float('l2_regularization', None,
                    'digits: lambda of the L2 penalty (lambda / 2) * '
-                   '||kernel||^2 of every Dense layer, added to the training '
-                   'loss and to eval loss (>= 0; default 0).')
+                   '||kernel||^2 of every kernel (Dense and conv), added to '
+                   'the training loss and to eval loss (>= 0; default 0).')
 flags.DEFINE_float('dirichlet_alpha', None,
                    'cifar10/cifar100: concentration of the Dirichlet label '
                    'partition (small: skewed clients; default 0.1).')

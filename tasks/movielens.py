@@ -7,7 +7,8 @@
   `context_length`) movies before m_t, label = m_t.
 - Users are split once, seeded: 20% of them give the server (datacenter) data,
   the rest are split 80/10/10 into train clients, validation users and test
-  users (ML-1M: 3,865 / 483 / 483 as in the paper).
+  users (ML-1M: 3,866 / 483 / 483; the paper's 3,865 train users imply one
+  more server user than 20% rounds to).
 - Dual encoder with ONE movie embedding table shared by both towers: the
   context tower averages the context movies' embeddings (a bag of movies) and
   applies a d x d dense layer; the label tower is the embedding lookup of a
