@@ -5,7 +5,9 @@ something a test can hold to a bound.
 """
 
 import re
+import shutil
 
+import numpy as np
 import pytest
 
 import fault_testlib
@@ -150,6 +152,49 @@ def test_weight_passes_times_each_op_over_the_model():
   assert bad.returncode == 2
   assert 'error: --repeats must be >= 1, got 0' in bad.stderr
 
+
+needs_cc = pytest.mark.skipif(shutil.which('cc') is None,
+                              reason='the C floors need a C compiler (cc)')
+
+
+@needs_cc
+@pytest.mark.parametrize('steps, batch', [(1, 2), (3, 5)])
+@pytest.mark.parametrize('states', ['memory', 'file'])
+def test_the_c_floor_computes_fedavg_and_scaffold(tmp_path, steps, batch,
+                                                  states):
+  # The floors time the algorithms only if they compute them: a round of
+  # the C code against a float64 NumPy reference of the math.
+  from benchmarks import fused_floor  # pylint: disable=import-outside-toplevel
+  workload = fused_floor.Workload(3, steps, batch, seed=2)
+  want = fused_floor.reference(workload)
+  got = fused_floor.CFloor(str(tmp_path), batch).run(
+      workload, states, 1, 2, check_only=True)
+  fused_floor.check('c', got, want)
+  # SCAFFOLD's corrections change the sum, and the check sees a wrong one.
+  assert not np.allclose(got[0], got[1])
+  with pytest.raises(fused_floor.MismatchError, match='new c_i'):
+    fused_floor.check('c', got[:3] + (got[3] * 1.001,), want)
+
+
+def test_the_xla_floor_computes_fedavg_and_scaffold():
+  from benchmarks import fused_floor  # pylint: disable=import-outside-toplevel
+  workload = fused_floor.Workload(2, 2, 3, seed=3)
+  fused_floor.check('xla', fused_floor.XlaFloor(2).run(
+      workload, 0, check_only=True), fused_floor.reference(workload))
+
+
+@needs_cc
+def test_fused_floor_prints_each_floors_ratio():
+  result = run_binary('benchmarks.fused_floor', '--clients_per_round=3',
+                      '--rounds=1')
+  assert result.returncode == 0, result.stderr[-3000:]
+  for floor in ('c_memory', 'c_file', 'xla'):
+    assert re.search(rf'^  {floor} +\S+ +[0-9.]+ +[0-9.]+ +[0-9.]+x$',
+                     result.stdout, re.MULTILINE), result.stdout
+  bad = run_binary('benchmarks.fused_floor', '--floors=c_memory,gpu')
+  assert bad.returncode == 2
+  assert ('error: --floors takes some of c_memory,c_file,xla, got '
+          'c_memory,gpu') in bad.stderr
 
 
 def test_central_mode_times_mixed_fl_central_work_alone(rounds):
