@@ -13,11 +13,12 @@
 // with its own scratch weights and sums, added up at the end of the round.
 //
 // build: cc -O3 -march=native -fopenmp -DBATCH=B fused_floor.c -lm
-// usage: fused_floor DIR N K B LR ROUNDS memory|file CHECK
+// usage: fused_floor DIR N K B LR ROUNDS memory|file|mapped CHECK
 //   DIR holds x.f32, c.f32, states.f32 (N c_i), images.f32 (N x K x B x D),
 //   labels.f32 (N x K x B). `file` keeps each c_i in DIR/states/<i>, read
 //   with pread and written back in place with pwrite: no versions, no
 //   atomicity, which any file store needs; a lower bound of its cost.
+//   `mapped` maps each file instead and works on its pages in place.
 //   CHECK=1 runs one round of each and writes their sums and the new c_i to
 //   DIR; otherwise it prints the median seconds of ROUNDS timed rounds each,
 //   after one untimed round, alternating FedAvg and SCAFFOLD.
@@ -28,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #define D (84 * 84 * 3)
@@ -38,7 +40,7 @@
 #define B BATCH  // A constant, so that the loops over a batch unroll.
 #define P ((size_t)D * H + H + H + 1)
 
-static int N, K, FILE_STATES;
+static int N, K, FILE_STATES, MAPPED;
 static float LR;
 static const char *DIR_;
 
@@ -162,9 +164,26 @@ static void file_client(int i, const float *x, const float *c, float *buffer,
   close(fd);
 }
 
+// The same with c_i mapped into memory (MAP_SHARED): the client reads c_i and
+// writes c_i+ in the page cache's pages themselves, with no copy.
+static void mapped_client(int i, const float *x, const float *c, float *w,
+                          const float *X, const float *y, float *sum,
+                          float *cv_sum) {
+  char path[4096];
+  state_path(path, sizeof path, i);
+  int fd = open(path, O_RDWR);
+  if (fd < 0) die(path);
+  float *ci = mmap(NULL, 4 * P, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (ci == MAP_FAILED) die(path);
+  client(x, c, ci, w, X, y, sum, cv_sum);
+  if (munmap(ci, 4 * P)) die(path);
+  close(fd);
+}
+
 int main(int argc, char **argv) {
   if (argc != 9) {
-    fprintf(stderr, "usage: %s DIR N K B LR ROUNDS memory|file CHECK\n",
+    fprintf(stderr, "usage: %s DIR N K B LR ROUNDS memory|file|mapped CHECK\n",
             argv[0]);
     return 2;
   }
@@ -177,7 +196,8 @@ int main(int argc, char **argv) {
   }
   LR = (float)atof(argv[5]);
   int rounds = atoi(argv[6]);
-  FILE_STATES = strcmp(argv[7], "file") == 0;
+  MAPPED = strcmp(argv[7], "mapped") == 0;
+  FILE_STATES = MAPPED || strcmp(argv[7], "file") == 0;
   int check = atoi(argv[8]);
   if (N < 1 || K < 1 || rounds < 1) {
     fprintf(stderr, "bad arguments\n");
@@ -221,7 +241,9 @@ int main(int argc, char **argv) {
         for (int i = 0; i < N; i++) {
           const float *X = images + (size_t)i * K * B * D;
           const float *y = labels + (size_t)i * K * B;
-          if (scaffold && FILE_STATES)
+          if (scaffold && MAPPED)
+            mapped_client(i, x, c, w[t], X, y, sums[t], cv_sums[t]);
+          else if (scaffold && FILE_STATES)
             file_client(i, x, c, buffers[t], w[t], X, y, sums[t], cv_sums[t]);
           else
             client(x, scaffold ? c : NULL, states + (size_t)i * P, w[t], X, y,

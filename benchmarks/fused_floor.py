@@ -12,7 +12,7 @@ client's work is memory-bound: a step does a few flops per weight, so its
 cost is its passes over the weights, and SCAFFOLD's c, c_i and c_i+ add
 passes that FedAvg's step does not make.
 
-Three floors, each timing FedAvg's and SCAFFOLD's rounds alternately in one
+Four floors, each timing FedAvg's and SCAFFOLD's rounds alternately in one
 process (median of --rounds timed rounds after one untimed), so their ratio
 is measured under the same machine load:
 
@@ -23,6 +23,8 @@ is measured under the same machine load:
 - `c_file`: the same, each c_i in a file of its own, read with pread and
   written back in place with pwrite: no versions and no atomic commit, so
   less than any store that survives a kill must do.
+- `c_mapped`: the same files mapped into memory (`mmap`, `MAP_SHARED`), the
+  client reading c_i and writing c_i+ in the page cache's own pages.
 - `xla`: each algorithm's client as one XLA-compiled TF function
   (`jit_compile=True`, which fuses elementwise work into the matmuls'
   neighbours), c_i in RAM as tensors: the least TF's kernels do.
@@ -32,7 +34,7 @@ NumPy reference of the same math (relative error <= 1e-4 of the largest
 value), so the floors time the algorithms, not something cheaper.
 
   .venv/bin/python -m benchmarks.fused_floor [--clients_per_round=100]
-      [--floors=c_memory,c_file,xla] [--rounds=9]
+      [--floors=c_memory,c_file,c_mapped,xla] [--rounds=9]
 """
 
 import os
@@ -52,12 +54,12 @@ _CLIENTS = flags.DEFINE_integer('clients_per_round', 100, 'Clients a round.')
 _STEPS = flags.DEFINE_integer('client_steps', 2, 'K, local steps a client.')
 _BATCH = flags.DEFINE_integer('client_batch_size', 5, 'Examples a step.')
 _ROUNDS = flags.DEFINE_integer('rounds', 9, 'Timed rounds per algorithm.')
-_FLOORS = flags.DEFINE_list('floors', ['c_memory', 'c_file', 'xla'],
-                            'Which floors to time.')
+_FLOORS = flags.DEFINE_list(
+    'floors', ['c_memory', 'c_file', 'c_mapped', 'xla'], 'Which floors to time.')
 _THREADS = flags.DEFINE_integer(
     'threads', 0, 'Threads of the C floors (0: one per core).')
 
-FLOORS = ('c_memory', 'c_file', 'xla')
+FLOORS = ('c_memory', 'c_file', 'c_mapped', 'xla')
 _PIXELS = 84 * 84 * 3
 _HIDDEN = 64
 SHAPES = ((_PIXELS, _HIDDEN), (_HIDDEN,), (_HIDDEN, 1), (1,))
@@ -301,7 +303,7 @@ def _measure():
   rows = []
   with tempfile.TemporaryDirectory(prefix='fused_floor_') as directory:
     c_floor = (CFloor(directory, _BATCH.value)
-               if {'c_memory', 'c_file'} & set(_FLOORS.value) else None)
+               if set(_FLOORS.value) - {'xla'} else None)
     xla_floor = XlaFloor(_STEPS.value) if 'xla' in _FLOORS.value else None
     for name in _FLOORS.value:
       if name == 'xla':

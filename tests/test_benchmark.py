@@ -159,7 +159,7 @@ needs_cc = pytest.mark.skipif(shutil.which('cc') is None,
 
 @needs_cc
 @pytest.mark.parametrize('steps, batch', [(1, 2), (3, 5)])
-@pytest.mark.parametrize('states', ['memory', 'file'])
+@pytest.mark.parametrize('states', ['memory', 'file', 'mapped'])
 def test_the_c_floor_computes_fedavg_and_scaffold(tmp_path, steps, batch,
                                                   states):
   # The floors time the algorithms only if they compute them: a round of
@@ -188,12 +188,12 @@ def test_fused_floor_prints_each_floors_ratio():
   result = run_binary('benchmarks.fused_floor', '--clients_per_round=3',
                       '--rounds=1')
   assert result.returncode == 0, result.stderr[-3000:]
-  for floor in ('c_memory', 'c_file', 'xla'):
+  for floor in ('c_memory', 'c_file', 'c_mapped', 'xla'):
     assert re.search(rf'^  {floor} +\S+ +[0-9.]+ +[0-9.]+ +[0-9.]+x$',
                      result.stdout, re.MULTILINE), result.stdout
   bad = run_binary('benchmarks.fused_floor', '--floors=c_memory,gpu')
   assert bad.returncode == 2
-  assert ('error: --floors takes some of c_memory,c_file,xla, got '
+  assert ('error: --floors takes some of c_memory,c_file,c_mapped,xla, got '
           'c_memory,gpu') in bad.stderr
 
 
