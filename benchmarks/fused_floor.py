@@ -37,16 +37,13 @@ value), so the floors time the algorithms, not something cheaper.
       [--floors=c_memory,c_file,c_mapped,xla] [--rounds=9]
 """
 
-import os
 import re
-import shutil
-import subprocess
 import tempfile
-import time
 
 from absl import flags
 
 from binaries import app  # First: imports TensorFlow quietly.
+from benchmarks import floors
 from pipeline import tf_logs
 from pipeline.errors import UsageError
 
@@ -59,213 +56,8 @@ _FLOORS = flags.DEFINE_list(
 _THREADS = flags.DEFINE_integer(
     'threads', 0, 'Threads of the C floors (0: one per core).')
 
-FLOORS = ('c_memory', 'c_file', 'c_mapped', 'xla')
-_PIXELS = 84 * 84 * 3
-_HIDDEN = 64
-SHAPES = ((_PIXELS, _HIDDEN), (_HIDDEN,), (_HIDDEN, 1), (1,))
-LEARNING_RATE = 0.01  # benchmarks.rounds' client learning rate.
-_CHECK_CLIENTS = 3
-_TOLERANCE = 1e-4
 _XLA_CPU_NOISE = re.compile('SetPriority unimplemented for this stream')
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                       'fused_floor.c')
-
-
-class Workload:
-  """A round's inputs: x, c, each client's c_i and K batches."""
-
-  def __init__(self, clients: int, steps: int, batch: int, seed: int = 0):
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    rng = np.random.default_rng(seed)
-    size = sum(int(np.prod(s)) for s in SHAPES)
-    self.clients, self.steps, self.batch = clients, steps, batch
-    self.x = rng.standard_normal(size, np.float32) * 0.01
-    self.c = rng.standard_normal(size, np.float32) * 0.01
-    self.states = rng.standard_normal((clients, size), np.float32) * 0.01
-    self.images = rng.random((clients, steps, batch, _PIXELS),
-                             dtype=np.float32)
-    self.labels = rng.integers(0, 2, (clients, steps, batch)).astype(
-        np.float32)
-
-  def write(self, directory: str) -> None:
-    for name in ('x', 'c', 'states', 'images', 'labels'):
-      getattr(self, name).tofile(os.path.join(directory, f'{name}.f32'))
-
-
-def split(flat):
-  """A flat weight vector as the model's tensors."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  sizes = [int(np.prod(s)) for s in SHAPES]
-  pieces = np.split(flat, np.cumsum(sizes)[:-1])
-  return [p.reshape(s) for p, s in zip(pieces, SHAPES)]
-
-
-def _gradient(w, images, labels):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  w1, b1, w2, b2 = w
-  z1 = images @ w1 + b1
-  h = np.maximum(z1, 0)
-  z2 = (h @ w2 + b2)[:, 0]
-  dz2 = (1 / (1 + np.exp(-z2)) - labels) / len(labels)
-  dh = np.outer(dz2, w2[:, 0]) * (z1 > 0)
-  return [images.T @ dh, dh.sum(0), h.T @ dz2[:, None], dz2.sum(keepdims=True)]
-
-
-def reference(workload: Workload):
-  """float64 NumPy: FedAvg's sum, SCAFFOLD's sum, c-sum and new c_i."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  f64 = lambda v: v.astype(np.float64)
-  x, c = f64(workload.x), f64(workload.c)
-  steps, n = workload.steps, workload.steps * workload.batch
-  fedavg_sum, scaffold_sum, cv_sum = (np.zeros_like(x) for _ in range(3))
-  new_states = []
-  for i in range(workload.clients):
-    ci = f64(workload.states[i])
-    for correction, total in ((None, fedavg_sum), (c - ci, scaffold_sum)):
-      w = x.copy()
-      for k in range(steps):
-        g = np.concatenate([t.ravel() for t in _gradient(
-            split(w), f64(workload.images[i, k]), f64(workload.labels[i, k]))])
-        w = w - LEARNING_RATE * (g if correction is None else g + correction)
-      total += n * (w - x)
-    new_ci = ci - c + (x - w) / (steps * LEARNING_RATE)
-    cv_sum += new_ci - ci
-    new_states.append(new_ci)
-  return fedavg_sum, scaffold_sum, cv_sum, np.stack(new_states)
-
-
-class MismatchError(Exception):
-  """A floor's round differs from the float64 reference."""
-
-
-def check(name: str, got, want) -> None:
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  for label, g, r in zip(('FedAvg sum', 'SCAFFOLD sum', 'SCAFFOLD c sum',
-                          'new c_i'), got, want):
-    error = np.max(np.abs(g - r)) / np.max(np.abs(r))
-    if not error <= _TOLERANCE:
-      raise MismatchError(f'{name}: {label} is off the float64 reference by '
-                         f'{error:.1e} of its largest value')
-
-
-class CFloor:
-  """benchmarks/fused_floor.c, built once into a temporary directory."""
-
-  def __init__(self, directory: str, batch: int):
-    self._directory = directory
-    self._binary = os.path.join(directory, 'fused_floor')
-    command = ['cc', '-O3', '-march=native', '-fopenmp', f'-DBATCH={batch}',
-               '-o', self._binary, _SOURCE, '-lm']
-    try:
-      subprocess.run(command, check=True, capture_output=True, text=True)
-    except FileNotFoundError as e:
-      raise UsageError('the C floors need a C compiler (cc) with OpenMP; '
-                       'none found (--floors=xla runs without one)') from e
-    except subprocess.CalledProcessError as e:
-      raise UsageError(f'cc could not build {_SOURCE}: '
-                       f'{e.stderr.strip().splitlines()[-1:]}') from e
-
-  def run(self, workload: Workload, states: str, rounds: int, threads: int,
-          check_only: bool):
-    data = os.path.join(self._directory, f'data_{workload.clients}')
-    shutil.rmtree(data, ignore_errors=True)
-    os.makedirs(os.path.join(data, 'states'))
-    workload.write(data)
-    env = dict(os.environ)
-    if threads:
-      env['OMP_NUM_THREADS'] = str(threads)
-    out = subprocess.run(
-        [self._binary, data, str(workload.clients), str(workload.steps),
-         str(workload.batch), repr(LEARNING_RATE), str(rounds), states,
-         '1' if check_only else '0'],
-        check=True, capture_output=True, text=True, env=env).stdout
-    try:
-      if check_only:
-        import numpy as np  # pylint: disable=g-import-not-at-top
-        read = lambda n: np.fromfile(os.path.join(data, n), np.float32)
-        return (read('fedavg_sum.f32'), read('scaffold_sum.f32'),
-                read('scaffold_cv_sum.f32'),
-                read('states_after.f32').reshape(workload.states.shape))
-      threads_used, fedavg, scaffold = out.split()
-      return int(threads_used), float(fedavg), float(scaffold)
-    finally:
-      shutil.rmtree(data, ignore_errors=True)
-
-
-class XlaFloor:
-  """Each algorithm's client as one XLA-compiled TF function."""
-
-  def __init__(self, steps: int):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    self._tf = tf
-
-    def loss(w, images, labels):
-      hidden = tf.nn.relu(images @ w[0] + w[1])
-      logits = (hidden @ w[2] + w[3])[:, 0]
-      return tf.reduce_mean(
-          tf.nn.sigmoid_cross_entropy_with_logits(labels, logits))
-
-    def train(x, correction, images, labels):
-      w = list(x)
-      for k in range(steps):
-        g = tf.gradients(loss(w, images[k], labels[k]), w)
-        if correction is not None:
-          g = [gi + ci for gi, ci in zip(g, correction)]
-        w = [wi - LEARNING_RATE * gi for wi, gi in zip(w, g)]
-      return w
-
-    @tf.function(jit_compile=True)
-    def fedavg(x, total, n, images, labels):
-      w = train(x, None, images, labels)
-      return [t + n * (wi - xi) for t, wi, xi in zip(total, w, x)]
-
-    @tf.function(jit_compile=True)
-    def scaffold(x, c, ci, total, cv_total, n, images, labels):
-      w = train(x, [a - b for a, b in zip(c, ci)], images, labels)
-      new_ci = [b - a + (xi - wi) / (steps * LEARNING_RATE)
-                for a, b, xi, wi in zip(c, ci, x, w)]
-      return ([t + n * (wi - xi) for t, wi, xi in zip(total, w, x)],
-              [t + (a - b) for t, a, b in zip(cv_total, new_ci, ci)], new_ci)
-
-    self._fedavg, self._scaffold = fedavg, scaffold
-
-  def _round(self, scaffold: bool, x, c, states, data, n):
-    tf = self._tf
-    total = [tf.zeros(s) for s in SHAPES]
-    cv_total = [tf.zeros(s) for s in SHAPES]
-    for i, (images, labels) in enumerate(data):
-      if scaffold:
-        total, cv_total, states[i] = self._scaffold(
-            x, c, states[i], total, cv_total, n, images, labels)
-      else:
-        total = self._fedavg(x, total, n, images, labels)
-    return total, cv_total
-
-  def run(self, workload: Workload, rounds: int, check_only: bool):
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    tf = self._tf
-    tensors = lambda flat: [tf.constant(t) for t in split(flat)]
-    x, c = tensors(workload.x), tensors(workload.c)
-    states = [tensors(s) for s in workload.states]
-    data = [(tf.constant(workload.images[i]), tf.constant(workload.labels[i]))
-            for i in range(workload.clients)]
-    n = tf.constant(float(workload.steps * workload.batch))
-    flat = lambda ts: np.concatenate([t.numpy().ravel() for t in ts])
-    if check_only:
-      fedavg_sum, _ = self._round(False, x, c, states, data, n)
-      scaffold_sum, cv_sum = self._round(True, x, c, states, data, n)
-      return (flat(fedavg_sum), flat(scaffold_sum), flat(cv_sum),
-              np.stack([flat(s) for s in states]))
-    seconds = {False: [], True: []}
-    for r in range(rounds + 1):
-      for scaffold in (False, True):
-        started = time.perf_counter()
-        total, _ = self._round(scaffold, x, c, states, data, n)
-        total[0].numpy()  # Waits for the round.
-        if r:
-          seconds[scaffold].append(time.perf_counter() - started)
-    median = lambda v: sorted(v)[len(v) // 2]
-    return median(seconds[False]), median(seconds[True])
+_CHECK_CLIENTS = 3
 
 
 def main(argv):
@@ -277,13 +69,13 @@ def main(argv):
     raise UsageError(f'--threads must be >= 0, got {_THREADS.value}')
   if _BATCH.value > 64:
     raise UsageError(f'--client_batch_size must be <= 64, got {_BATCH.value}')
-  unknown = sorted(set(_FLOORS.value) - set(FLOORS))
+  unknown = sorted(set(_FLOORS.value) - set(floors.FLOORS))
   if unknown or not _FLOORS.value:
-    raise UsageError(f'--floors takes some of {",".join(FLOORS)}, got '
+    raise UsageError(f'--floors takes some of {",".join(floors.FLOORS)}, got '
                      f'{",".join(_FLOORS.value)}')
   try:
     rows = _measure()
-  except MismatchError as e:
+  except floors.MismatchError as e:
     raise SystemExit(f'error: {e}') from e
   print(f'{_CLIENTS.value} clients a round, K={_STEPS.value} steps of '
         f'{_BATCH.value} examples, the 5.4 MB CelebA-shaped model; median '
@@ -297,23 +89,25 @@ def main(argv):
 
 
 def _measure():
-  small = Workload(_CHECK_CLIENTS, _STEPS.value, _BATCH.value, seed=1)
-  want = reference(small)
-  workload = Workload(_CLIENTS.value, _STEPS.value, _BATCH.value)
+  small = floors.Workload(_CHECK_CLIENTS, _STEPS.value, _BATCH.value, seed=1)
+  want = floors.reference(small)
+  workload = floors.Workload(_CLIENTS.value, _STEPS.value, _BATCH.value)
   rows = []
   with tempfile.TemporaryDirectory(prefix='fused_floor_') as directory:
-    c_floor = (CFloor(directory, _BATCH.value)
+    c_floor = (floors.CFloor(directory, _BATCH.value)
                if set(_FLOORS.value) - {'xla'} else None)
-    xla_floor = XlaFloor(_STEPS.value) if 'xla' in _FLOORS.value else None
+    xla_floor = (floors.XlaFloor(_STEPS.value)
+                 if 'xla' in _FLOORS.value else None)
     for name in _FLOORS.value:
       if name == 'xla':
         with tf_logs.stderr_without(_XLA_CPU_NOISE):
-          check(name, xla_floor.run(small, 0, check_only=True), want)
+          floors.check(name, xla_floor.run(small, 0, check_only=True), want)
           fedavg, scaffold = xla_floor.run(workload, _ROUNDS.value, False)
         threads = 'TF'
       else:
         states = name.split('_')[1]
-        check(name, c_floor.run(small, states, 1, _THREADS.value, True), want)
+        floors.check(name, c_floor.run(small, states, 1, _THREADS.value,
+                                       True), want)
         threads, fedavg, scaffold = c_floor.run(
             workload, states, _ROUNDS.value, _THREADS.value, False)
       rows.append((name, threads, fedavg, scaffold))

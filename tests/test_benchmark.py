@@ -164,23 +164,23 @@ def test_the_c_floor_computes_fedavg_and_scaffold(tmp_path, steps, batch,
                                                   states):
   # The floors time the algorithms only if they compute them: a round of
   # the C code against a float64 NumPy reference of the math.
-  from benchmarks import fused_floor  # pylint: disable=import-outside-toplevel
-  workload = fused_floor.Workload(3, steps, batch, seed=2)
-  want = fused_floor.reference(workload)
-  got = fused_floor.CFloor(str(tmp_path), batch).run(
+  from benchmarks import floors  # pylint: disable=import-outside-toplevel
+  workload = floors.Workload(3, steps, batch, seed=2)
+  want = floors.reference(workload)
+  got = floors.CFloor(str(tmp_path), batch).run(
       workload, states, 1, 2, check_only=True)
-  fused_floor.check('c', got, want)
+  floors.check('c', got, want)
   # SCAFFOLD's corrections change the sum, and the check sees a wrong one.
   assert not np.allclose(got[0], got[1])
-  with pytest.raises(fused_floor.MismatchError, match='new c_i'):
-    fused_floor.check('c', got[:3] + (got[3] * 1.001,), want)
+  with pytest.raises(floors.MismatchError, match='new c_i'):
+    floors.check('c', got[:3] + (got[3] * 1.001,), want)
 
 
 def test_the_xla_floor_computes_fedavg_and_scaffold():
-  from benchmarks import fused_floor  # pylint: disable=import-outside-toplevel
-  workload = fused_floor.Workload(2, 2, 3, seed=3)
-  fused_floor.check('xla', fused_floor.XlaFloor(2).run(
-      workload, 0, check_only=True), fused_floor.reference(workload))
+  from benchmarks import floors  # pylint: disable=import-outside-toplevel
+  workload = floors.Workload(2, 2, 3, seed=3)
+  floors.check('xla', floors.XlaFloor(2).run(
+      workload, 0, check_only=True), floors.reference(workload))
 
 
 @needs_cc
