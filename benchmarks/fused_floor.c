@@ -1,23 +1,26 @@
-// The floor of SCAFFOLD's round against FedAvg's on the benchmark's workload:
-// both algorithms' client work hand-fused into as few passes over the weights
-// as their math allows, without any framework. Built and run by
+// What SCAFFOLD's control variates add to FedAvg's round on the benchmark's
+// workload without any framework: both algorithms' client work hand-fused
+// into few passes over the weights. Built and run by
 // benchmarks/fused_floor.py, which writes the inputs and checks the results.
 //
 // Model: flatten(84x84x3) + Dense(64, relu) + Dense(1), sigmoid cross-entropy
 // (the benchmark's CelebA-shaped task). Per client, K plain SGD steps on its
 // K batches of B examples; FedAvg sums n_i (y_i - x), SCAFFOLD (Option II)
 // also corrects each step by c - c_i, forms c_i+ = c_i - c + (x - y_i)/(K lr)
-// and sums c_i+ - c_i. Each step reads the weights once for the forward pass
-// and once more to update them; the last step's update also forms the sums
-// (and c_i+), so y_i is never written. Clients run on OpenMP threads, each
-// with its own scratch weights and sums, added up at the end of the round.
+// and sums c_i+ - c_i. Each step reads the weights once: its update also
+// forms the next step's first-layer products, and the last step's update
+// forms the sums (and c_i+), so y_i is never written. Clients run on OpenMP
+// threads, each with its own scratch weights and sums, added up at the end
+// of the round. One implementation as lean as we could make it, not a proof
+// that none is leaner.
 //
 // build: cc -O3 -march=native -fopenmp -DBATCH=B fused_floor.c -lm
 // usage: fused_floor DIR N K B LR ROUNDS memory|file|mapped CHECK
-//   DIR holds x.f32, c.f32, states.f32 (N c_i), images.f32 (N x K x B x D),
-//   labels.f32 (N x K x B). `file` keeps each c_i in DIR/states/<i>, read
-//   with pread and written back in place with pwrite: no versions, no
-//   atomicity, which any file store needs; a lower bound of its cost.
+//   DIR holds x.f32, c.f32, images.f32 (N x K x B x D), labels.f32 (N x K x
+//   B), and the c_i: states.f32 (N of them) for `memory`, else one file each,
+//   DIR/states/<i>. `file` reads a client's c_i from its file with pread and
+//   writes c_i+ back in place with pwrite: no versions and no atomicity,
+//   which a store that survives a kill needs.
 //   `mapped` maps each file instead and works on its pages in place.
 //   CHECK=1 runs one round of each and writes their sums and the new c_i to
 //   DIR; otherwise it prints the median seconds of ROUNDS timed rounds each,
@@ -26,10 +29,12 @@
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #define D (84 * 84 * 3)
@@ -70,20 +75,13 @@ static void write_floats(const char *name, const float *v, size_t count) {
   if (!f || fwrite(v, 4, count, f) != count || fclose(f)) die(path);
 }
 
-// Forward and backward pass of one batch at weights w: the hidden layer's
-// gradient dh (B x H) and the gradients of the small tensors (b1, W2, b2).
-static void forward_backward(const float *w, const float *X, const float *y,
-                             float *dh, float *small_grads) {
-  float z1[B][H];
+// The rest of a batch's forward and backward pass at weights w, given its
+// first layer's products z1 = X W1 (B x H): the hidden layer's gradient dh
+// (B x H) and the gradients of the small tensors (b1, W2, b2).
+static void head(const float *w, float z1[B][H], const float *y, float *dh,
+                 float *small_grads) {
   for (int b = 0; b < B; b++)
-    for (int j = 0; j < H; j++) z1[b][j] = w[(size_t)D * H + j];
-  for (size_t d = 0; d < D; d++) {
-    const float *row = w + d * H;
-    for (int b = 0; b < B; b++) {
-      float xv = X[(size_t)b * D + d];
-      for (int j = 0; j < H; j++) z1[b][j] += xv * row[j];
-    }
-  }
+    for (int j = 0; j < H; j++) z1[b][j] += w[(size_t)D * H + j];
   const float *W2 = w + (size_t)D * H + H;
   float b2 = w[(size_t)D * H + 2 * H], dz2[B];
   for (int b = 0; b < B; b++) {
@@ -97,45 +95,70 @@ static void forward_backward(const float *w, const float *X, const float *y,
       float h = z1[b][j] > 0 ? z1[b][j] : 0;
       float g = z1[b][j] > 0 ? dz2[b] * W2[j] : 0;
       dh[b * H + j] = g;
-      small_grads[j] += g;          // b1
+      small_grads[j] += g;               // b1
       small_grads[H + j] += h * dz2[b];  // W2
     }
-    small_grads[2 * H] += dz2[b];   // b2
+    small_grads[2 * H] += dz2[b];        // b2
   }
 }
 
-// One client. c == NULL: FedAvg. ci: its c_i, replaced by c_i+ in place.
-static void client(const float *x, const float *c, float *ci, float *w,
-                   const float *X, const float *y, float *sum,
-                   float *cv_sum) {
+// The first step's pass at x.
+static void forward_backward(const float *w, const float *X, const float *y,
+                             float *dh, float *small_grads) {
+  float z1[B][H];
+  memset(z1, 0, sizeof z1);
+  for (size_t d = 0; d < D; d++) {
+    const float *row = w + d * H;
+    for (int b = 0; b < B; b++) {
+      float xv = X[(size_t)b * D + d];
+      for (int j = 0; j < H; j++) z1[b][j] += xv * row[j];
+    }
+  }
+  head(w, z1, y, dh, small_grads);
+}
+
+// One client; `scaffold` a constant in each of its two copies (client()), so
+// that the update loops have no branches and vectorize. Each step reads the
+// weights once: its update of W1's row r also adds the row's products for
+// the next step's forward pass, and the last step's update forms the sums
+// (and c_i+) instead of writing the final weights.
+static inline __attribute__((always_inline)) void client_t(
+    const float *x, const float *c, float *ci, float *w, const float *X,
+    const float *y, float *sum, float *cv_sum, const int scaffold) {
   float dh[B * H], small_grads[2 * H + 1];
+  float z1[B][H];
   const float n = (float)(B * K), inv_k_lr = 1.f / (K * LR);
+  forward_backward(x, X, y, dh, small_grads);
   for (int k = 0; k < K; k++) {
     const float *from = k == 0 ? x : w;
     const float *Xk = X + (size_t)k * B * D;
-    forward_backward(from, Xk, y + k * B, dh, small_grads);
+    const float *Xn = Xk + (size_t)B * D;  // next step's batch
     const int last = k == K - 1;
-    for (size_t r = 0; r <= D; r++) {
-      // Row r of W1 (its gradient is sum_b X[b, r] dh[b, :]), then the rest.
-      size_t lo = r * H, hi = r < D ? lo + H : P;
-      float xv[B];
-      if (r < D)
-        for (int b = 0; b < B; b++) xv[b] = Xk[(size_t)b * D + r];
+    if (!last) memset(z1, 0, sizeof z1);
+    for (size_t r = 0; r < D; r++) {
+      size_t lo = r * H;
+      float xv[B], xn[B];
+      for (int b = 0; b < B; b++) xv[b] = Xk[(size_t)b * D + r];
+      if (!last) for (int b = 0; b < B; b++) xn[b] = Xn[(size_t)b * D + r];
+      if (!last) {
 #pragma omp simd
-      for (size_t i = lo; i < hi; i++) {
-        float g;
-        if (r < D) {
-          g = 0;
-          for (int b = 0; b < B; b++) g += xv[b] * dh[b * H + (i - lo)];
-        } else {
-          g = small_grads[i - (size_t)D * H];
-        }
-        float v = from[i] - LR * (c ? g + (c[i] - ci[i]) : g);
-        if (!last) {
+        for (int j = 0; j < H; j++) {
+          size_t i = lo + j;
+          float g = 0;
+          for (int b = 0; b < B; b++) g += xv[b] * dh[b * H + j];
+          float v = from[i] - LR * (scaffold ? g + (c[i] - ci[i]) : g);
           w[i] = v;
-        } else {
+          for (int b = 0; b < B; b++) z1[b][j] += xn[b] * v;
+        }
+      } else {
+#pragma omp simd
+        for (int j = 0; j < H; j++) {
+          size_t i = lo + j;
+          float g = 0;
+          for (int b = 0; b < B; b++) g += xv[b] * dh[b * H + j];
+          float v = from[i] - LR * (scaffold ? g + (c[i] - ci[i]) : g);
           sum[i] += n * (v - x[i]);
-          if (c) {
+          if (scaffold) {
             float new_ci = ci[i] - c[i] + (x[i] - v) * inv_k_lr;
             cv_sum[i] += new_ci - ci[i];
             ci[i] = new_ci;
@@ -143,7 +166,29 @@ static void client(const float *x, const float *c, float *ci, float *w,
         }
       }
     }
+    for (size_t i = (size_t)D * H; i < P; i++) {
+      float g = small_grads[i - (size_t)D * H];
+      float v = from[i] - LR * (scaffold ? g + (c[i] - ci[i]) : g);
+      if (!last) {
+        w[i] = v;
+      } else {
+        sum[i] += n * (v - x[i]);
+        if (scaffold) {
+          float new_ci = ci[i] - c[i] + (x[i] - v) * inv_k_lr;
+          cv_sum[i] += new_ci - ci[i];
+          ci[i] = new_ci;
+        }
+      }
+    }
+    if (!last) head(w, z1, y + (k + 1) * B, dh, small_grads);
   }
+}
+
+// c == NULL: FedAvg. ci: its c_i, replaced by c_i+ in place.
+static void client(const float *x, const float *c, float *ci, float *w,
+                   const float *X, const float *y, float *sum, float *cv_sum) {
+  if (c) client_t(x, c, ci, w, X, y, sum, cv_sum, 1);
+  else client_t(x, c, ci, w, X, y, sum, cv_sum, 0);
 }
 
 static void state_path(char *path, size_t size, int i) {
@@ -187,6 +232,7 @@ int main(int argc, char **argv) {
             argv[0]);
     return 2;
   }
+  prctl(PR_SET_PDEATHSIG, SIGTERM);  // Ends with the benchmark that runs it.
   DIR_ = argv[1];
   N = atoi(argv[2]);
   K = atoi(argv[3]);
@@ -198,6 +244,10 @@ int main(int argc, char **argv) {
   int rounds = atoi(argv[6]);
   MAPPED = strcmp(argv[7], "mapped") == 0;
   FILE_STATES = MAPPED || strcmp(argv[7], "file") == 0;
+  if (!FILE_STATES && strcmp(argv[7], "memory") != 0) {
+    fprintf(stderr, "unknown state mode %s\n", argv[7]);
+    return 2;
+  }
   int check = atoi(argv[8]);
   if (N < 1 || K < 1 || rounds < 1) {
     fprintf(stderr, "bad arguments\n");
@@ -205,18 +255,10 @@ int main(int argc, char **argv) {
   }
   const int T = omp_get_max_threads();
   float *x = read_floats("x.f32", P), *c = read_floats("c.f32", P);
-  float *states = read_floats("states.f32", (size_t)N * P);
+  // In RAM only in memory mode: a file client has nowhere else to read from.
+  float *states = FILE_STATES ? NULL : read_floats("states.f32", (size_t)N * P);
   float *images = read_floats("images.f32", (size_t)N * K * B * D);
   float *labels = read_floats("labels.f32", (size_t)N * K * B);
-  if (FILE_STATES) {
-    char path[4096];
-    for (int i = 0; i < N; i++) {
-      state_path(path, sizeof path, i);
-      FILE *f = fopen(path, "wb");
-      if (!f || fwrite(states + (size_t)i * P, 4, P, f) != P || fclose(f))
-        die(path);
-    }
-  }
   float **w = malloc(sizeof(float *) * T), **sums = malloc(sizeof(float *) * T),
         **cv_sums = malloc(sizeof(float *) * T),
         **buffers = malloc(sizeof(float *) * T);
@@ -246,7 +288,8 @@ int main(int argc, char **argv) {
           else if (scaffold && FILE_STATES)
             file_client(i, x, c, buffers[t], w[t], X, y, sums[t], cv_sums[t]);
           else
-            client(x, scaffold ? c : NULL, states + (size_t)i * P, w[t], X, y,
+            client(x, scaffold ? c : NULL,
+                   states ? states + (size_t)i * P : NULL, w[t], X, y,
                    sums[t], cv_sums[t]);
         }
       }
@@ -267,8 +310,8 @@ int main(int argc, char **argv) {
   }
   if (check) {
     if (FILE_STATES) {
-      free(states);
       states = malloc(4 * (size_t)N * P);
+      if (!states) die("malloc");
       char path[4096];
       for (int i = 0; i < N; i++) {
         state_path(path, sizeof path, i);
