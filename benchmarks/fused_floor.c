@@ -117,14 +117,41 @@ static void forward_backward(const float *w, const float *X, const float *y,
   head(w, z1, y, dh, small_grads);
 }
 
+#define INLINE static inline __attribute__((always_inline))
+
+// Weight i after a step with gradient g (corrected by c - c_i for SCAFFOLD).
+INLINE float stepped(const float *from, const float *c, const float *ci,
+                     size_t i, float g, int scaffold) {
+  return from[i] - LR * (scaffold ? g + (c[i] - ci[i]) : g);
+}
+
+// The last step's weight v: its share of the sums, and c_i+.
+INLINE void finish(const float *x, const float *c, float *ci, size_t i,
+                   float v, float n, float inv_k_lr, float *sum,
+                   float *cv_sum, int scaffold) {
+  sum[i] += n * (v - x[i]);
+  if (scaffold) {
+    float new_ci = ci[i] - c[i] + (x[i] - v) * inv_k_lr;
+    cv_sum[i] += new_ci - ci[i];
+    ci[i] = new_ci;
+  }
+}
+
+// W1[r, j]'s gradient: sum_b X[b, r] dh[b, j].
+INLINE float w1_gradient(const float *xv, const float *dh, int j) {
+  float g = 0;
+  for (int b = 0; b < B; b++) g += xv[b] * dh[b * H + j];
+  return g;
+}
+
 // One client; `scaffold` a constant in each of its two copies (client()), so
 // that the update loops have no branches and vectorize. Each step reads the
 // weights once: its update of W1's row r also adds the row's products for
 // the next step's forward pass, and the last step's update forms the sums
 // (and c_i+) instead of writing the final weights.
-static inline __attribute__((always_inline)) void client_t(
-    const float *x, const float *c, float *ci, float *w, const float *X,
-    const float *y, float *sum, float *cv_sum, const int scaffold) {
+INLINE void client_t(const float *x, const float *c, float *ci, float *w,
+                     const float *X, const float *y, float *sum,
+                     float *cv_sum, const int scaffold) {
   float dh[B * H], small_grads[2 * H + 1];
   float z1[B][H];
   const float n = (float)(B * K), inv_k_lr = 1.f / (K * LR);
@@ -139,46 +166,31 @@ static inline __attribute__((always_inline)) void client_t(
       size_t lo = r * H;
       float xv[B], xn[B];
       for (int b = 0; b < B; b++) xv[b] = Xk[(size_t)b * D + r];
-      if (!last) for (int b = 0; b < B; b++) xn[b] = Xn[(size_t)b * D + r];
       if (!last) {
+        for (int b = 0; b < B; b++) xn[b] = Xn[(size_t)b * D + r];
 #pragma omp simd
         for (int j = 0; j < H; j++) {
-          size_t i = lo + j;
-          float g = 0;
-          for (int b = 0; b < B; b++) g += xv[b] * dh[b * H + j];
-          float v = from[i] - LR * (scaffold ? g + (c[i] - ci[i]) : g);
-          w[i] = v;
+          float v = stepped(from, c, ci, lo + j, w1_gradient(xv, dh, j),
+                            scaffold);
+          w[lo + j] = v;
           for (int b = 0; b < B; b++) z1[b][j] += xn[b] * v;
         }
       } else {
 #pragma omp simd
-        for (int j = 0; j < H; j++) {
-          size_t i = lo + j;
-          float g = 0;
-          for (int b = 0; b < B; b++) g += xv[b] * dh[b * H + j];
-          float v = from[i] - LR * (scaffold ? g + (c[i] - ci[i]) : g);
-          sum[i] += n * (v - x[i]);
-          if (scaffold) {
-            float new_ci = ci[i] - c[i] + (x[i] - v) * inv_k_lr;
-            cv_sum[i] += new_ci - ci[i];
-            ci[i] = new_ci;
-          }
-        }
+        for (int j = 0; j < H; j++)
+          finish(x, c, ci, lo + j,
+                 stepped(from, c, ci, lo + j, w1_gradient(xv, dh, j),
+                         scaffold),
+                 n, inv_k_lr, sum, cv_sum, scaffold);
       }
     }
     for (size_t i = (size_t)D * H; i < P; i++) {
-      float g = small_grads[i - (size_t)D * H];
-      float v = from[i] - LR * (scaffold ? g + (c[i] - ci[i]) : g);
-      if (!last) {
+      float v = stepped(from, c, ci, i, small_grads[i - (size_t)D * H],
+                        scaffold);
+      if (!last)
         w[i] = v;
-      } else {
-        sum[i] += n * (v - x[i]);
-        if (scaffold) {
-          float new_ci = ci[i] - c[i] + (x[i] - v) * inv_k_lr;
-          cv_sum[i] += new_ci - ci[i];
-          ci[i] = new_ci;
-        }
-      }
+      else
+        finish(x, c, ci, i, v, n, inv_k_lr, sum, cv_sum, scaffold);
     }
     if (!last) head(w, z1, y + (k + 1) * B, dh, small_grads);
   }
