@@ -23,6 +23,13 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'fused_floor.c')
 
 
+def workload_bytes(clients: int, steps: int, batch: int) -> int:
+  """The float32 bytes of a round's inputs: each client's c_i and batches."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  size = sum(int(np.prod(s)) for s in SHAPES)
+  return 4 * clients * (size + steps * batch * (_PIXELS + 1))
+
+
 class Workload:
   """A round's inputs: x, c, each client's c_i and K batches."""
 

@@ -73,6 +73,17 @@ def main(argv):
     raise UsageError(f'--threads must be >= 0, got {_THREADS.value}')
   if _BATCH.value > 64:
     raise UsageError(f'--client_batch_size must be <= 64, got {_BATCH.value}')
+  # The workload is held by this process and by the C program (and written
+  # to files), so twice its size must fit in the RAM that is free.
+  import psutil  # pylint: disable=g-import-not-at-top
+  needed = 2 * floors.workload_bytes(_CLIENTS.value, _STEPS.value,
+                                     _BATCH.value)
+  available = psutil.virtual_memory().available
+  if needed > available:
+    raise UsageError(
+        f'--clients_per_round={_CLIENTS.value} with --client_steps='
+        f'{_STEPS.value} and --client_batch_size={_BATCH.value} needs about '
+        f'{needed / 1e9:.1f} GB of RAM, {available / 1e9:.1f} GB is available')
   unknown = sorted(set(_FLOORS.value) - set(floors.FLOORS))
   if unknown or not _FLOORS.value:
     raise UsageError(f'--floors takes some of {",".join(floors.FLOORS)}, got '

@@ -223,6 +223,12 @@ def test_fused_floor_prints_each_floors_ratio(c_floor):
   assert bad.returncode == 2
   assert ('error: --floors takes some of c_memory,c_file,c_mapped,xla, got '
           'c_memory,gpu') in bad.stderr
+  # 1.2 TB of inputs: refused before anything is made.
+  too_large = run_binary('benchmarks.fused_floor', '--clients_per_round=100000')
+  assert too_large.returncode == 2
+  assert re.search(r'error: --clients_per_round=100000 .* needs about '
+                   r'1253\.3 GB of RAM, [0-9.]+ GB is available',
+                   too_large.stderr), too_large.stderr
 
 
 def test_central_mode_times_mixed_fl_central_work_alone(rounds):
