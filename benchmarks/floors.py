@@ -250,3 +250,8 @@ class XlaFloor:
           seconds[scaffold].append(time.perf_counter() - started)
     median = lambda v: sorted(v)[len(v) // 2]
     return median(seconds[False]), median(seconds[True])
+
+
+if __name__ == '__main__':
+  from pipeline import errors as _errors  # pylint: disable=g-import-not-at-top
+  _errors.refuse_to_run_library_module(__spec__)

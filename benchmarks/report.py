@@ -55,3 +55,8 @@ def bound_extra_work_lines(by_key: dict) -> list[str]:
 
   return _extra_work_lines(by_key, 'fedavg', extra_seconds,
                            'its extra work in plain TF ((c) minus FedAvg\'s)')
+
+
+if __name__ == '__main__':
+  from pipeline import errors as _errors  # pylint: disable=g-import-not-at-top
+  _errors.refuse_to_run_library_module(__spec__)

@@ -424,3 +424,8 @@ def check_flags_apply(owner: str, accepted: tuple[str, ...],
       allowed = ', '.join(f'--{n}' for n in accepted) or 'none'
       raise UsageError(f'--{name} does not apply to --{owner} '
                        f'(its flags: {allowed})')
+
+
+if __name__ == '__main__':
+  from pipeline import errors as _errors  # pylint: disable=g-import-not-at-top
+  _errors.refuse_to_run_library_module(__spec__)

@@ -652,3 +652,8 @@ def privacy_metrics(settings: factories.AggregatorSettings,
       settings.dp_noise_multiplier, task.num_train_clients,
       FLAGS.clients_per_round, settings.dp_target_delta)
   return lambda round_num: {accounting.EPSILON_METRIC: spent.epsilon(round_num)}
+
+
+if __name__ == '__main__':
+  from pipeline import errors as _errors  # pylint: disable=g-import-not-at-top
+  _errors.refuse_to_run_library_module(__spec__)

@@ -21,3 +21,8 @@ def rss_mb(process) -> tuple[float, float]:
         continue
     totals.append(total / 2**20)
   return totals[0], totals[1]
+
+
+if __name__ == '__main__':
+  from pipeline import errors as _errors  # pylint: disable=g-import-not-at-top
+  _errors.refuse_to_run_library_module(__spec__)

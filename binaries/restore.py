@@ -150,3 +150,8 @@ def client_states(checkpoint: Checkpoint, task):
                                        checkpoint.state['client_versions'])
   driver.require_state_files(state_format, index, checkpoint.round_num)
   return client_states_lib.ClientStates(state_format, index)
+
+
+if __name__ == '__main__':
+  from pipeline import errors as _errors  # pylint: disable=g-import-not-at-top
+  _errors.refuse_to_run_library_module(__spec__)

@@ -151,3 +151,8 @@ def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
 def _is_setting_error(error: Exception) -> bool:
   settings = sys.modules.get('tff_algos.algorithms.settings')
   return settings is not None and isinstance(error, settings.SettingError)
+
+
+if __name__ == '__main__':
+  from pipeline import errors as _errors  # pylint: disable=g-import-not-at-top
+  _errors.refuse_to_run_library_module(__spec__)

@@ -83,3 +83,8 @@ def run_fedres(algorithm: str, task: base.Task, algorithm_settings,
     results['history'] = (_history(config.run_dir, eval_every)
                           if eval_every else [])
   return results
+
+
+if __name__ == '__main__':
+  from pipeline import errors as _errors  # pylint: disable=g-import-not-at-top
+  _errors.refuse_to_run_library_module(__spec__)

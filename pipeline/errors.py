@@ -7,6 +7,8 @@ write-permission errors as environment faults).
 
 
 import errno
+import os
+import sys
 from typing import Optional
 
 # The OS's errors of an environment fault: a full disk or quota, a
@@ -120,3 +122,21 @@ def check_host_resolves(url: str) -> None:
     return
   parts = urllib.parse.urlsplit(url)
   socket.getaddrinfo(parts.hostname, parts.port or parts.scheme)
+
+
+def refuse_to_run_library_module(spec) -> None:
+  """Ends `python -m <a library module>` (which would do nothing and exit 0)
+  with one line naming the package's programs, status 2."""
+  directory = os.path.dirname(spec.origin)
+  package = spec.name.rsplit('.', 1)[0]
+  programs = []
+  for name in sorted(os.listdir(directory)):
+    if name.endswith('.py') and name != '__init__.py':
+      with open(os.path.join(directory, name), encoding='utf-8') as f:
+        text = f.read()
+      if ("__name__ == '__main__'" in text and
+          'refuse_to_run_library_module' not in text):
+        programs.append(f'{package}.{name[:-3]}')
+  print(f'error: {spec.name} is a library module, not a program (run one of: '
+        f'{", ".join(programs)})', file=sys.stderr)
+  sys.exit(2)

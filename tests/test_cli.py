@@ -270,3 +270,35 @@ def test_help_lists_the_run_flags_and_exits_0():
   for flag in ('--task', '--algorithm', '--client_learning_rate',
                '--pvr_last_layers', '--[no]allow_flag_changes'):
     assert flag in result.stdout + result.stderr, flag
+
+
+PROGRAM_PACKAGES = ('binaries', 'benchmarks', 'benchmarks/peers',
+                    'experiments')
+
+
+def test_every_module_of_the_program_packages_has_a_main():
+  # `python -m` on a module without one did nothing and exited 0.
+  for package in PROGRAM_PACKAGES:
+    directory = os.path.join(REPO, package)
+    for name in os.listdir(directory):
+      if name.endswith('.py') and name != '__init__.py':
+        with open(os.path.join(directory, name), encoding='utf-8') as f:
+          assert "if __name__ == '__main__':" in f.read(), f'{package}/{name}'
+
+
+@pytest.mark.parametrize('module, programs', [
+    ('binaries.restore', 'binaries.benchmark, binaries.evaluate, '
+     'binaries.export, binaries.plot, binaries.serve_personalized, '
+     'binaries.train'),
+    ('experiments.cli', 'experiments.celeba_mixed, experiments.fedpvr_digits, '
+     'experiments.fedres_logistic, experiments.fedres_movielens, '
+     'experiments.fedres_toy, experiments.movielens_mixed, '
+     'experiments.scaffold_digits'),
+])
+def test_a_library_module_run_as_a_program_is_one_error_line(module, programs):
+  result = run_binary(module)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.strip() == (
+      f'error: {module} is a library module, not a program (run one of: '
+      f'{programs})'), result.stderr
+  assert not result.stdout
