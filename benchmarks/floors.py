@@ -13,6 +13,7 @@ from pipeline.errors import UsageError
 FLOORS = ('c_memory', 'c_file', 'c_mapped', 'xla')
 _PIXELS = 84 * 84 * 3
 _HIDDEN = 64
+# The benchmark model's trainable variables (benchmarks.rounds).
 SHAPES = ((_PIXELS, _HIDDEN), (_HIDDEN,), (_HIDDEN, 1), (1,))
 LEARNING_RATE = 0.01  # benchmarks.rounds' client learning rate.
 # Of each tensor's own largest value: W1's values are 100x smaller than the

@@ -35,6 +35,7 @@ import time
 from absl import flags
 
 from binaries import app  # First: imports TensorFlow quietly.
+from benchmarks import floors
 from pipeline.errors import UsageError
 
 _CLIENTS = flags.DEFINE_integer('clients_per_round', 100, 'Clients a round.')
@@ -43,7 +44,7 @@ _WARMUP = flags.DEFINE_integer('warmup_rounds', 1, 'Untimed first rounds.')
 
 # The benchmark model's trainable variables (benchmarks.rounds), and FedRes's
 # personal model there (flatten + Dense(8) + Dense(1)).
-GLOBAL_SHAPES = ((84 * 84 * 3, 64), (64,), (64, 1), (1,))
+GLOBAL_SHAPES = floors.SHAPES
 LOCAL_SHAPES = ((84 * 84 * 3, 8), (8,), (8, 1), (1,))
 STATE_SHAPES = {
     'scaffold': GLOBAL_SHAPES,  # c_i
