@@ -10,7 +10,7 @@ import time
 from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 
-FLOORS = ('c_memory', 'c_file', 'c_mapped', 'xla')
+FLOORS = ('c_memory', 'c_file', 'c_mapped', 'xla', 'xla_file')
 _PIXELS = 84 * 84 * 3
 _HIDDEN = 64
 # The benchmark model's trainable variables (benchmarks.rounds).
@@ -178,11 +178,31 @@ class CFloor:
 
 
 class XlaFloor:
-  """Each algorithm's client as one XLA-compiled TF function."""
+  """Each algorithm's client as one XLA-compiled TF function.
 
-  def __init__(self, steps: int):
+  `states='memory'` keeps each c_i as tensors in RAM; `states='file'` keeps
+  each in a file of its own under `directory`, read at the client's start
+  (`read_file`, `parse_tensor`) and written back over the same file at its
+  end (`serialize_tensor`, `write_file`; XLA makes c_i+ as one flat
+  tensor): the fewest TF ops that read and write a state file, with no
+  versions, checksum or page-cache handling. The clients of a round are
+  split over `threads` Python threads (0: one per core), each with sums of
+  its own, added at the round's end.
+  """
+
+  def __init__(self, steps: int, states: str = 'memory',
+               directory: str = '', threads: int = 0):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if states not in ('memory', 'file'):
+      raise UsageError(f'unknown state mode {states!r}')
     self._tf = tf
+    self._states = states
+    self._directory = directory
+    self._threads = threads or os.cpu_count() or 1
+    sizes = [_size(s) for s in SHAPES]
+    ends = [0]
+    for size in sizes:
+      ends.append(ends[-1] + size)
 
     def loss(w, images, labels):
       hidden = tf.nn.relu(images @ w[0] + w[1])
@@ -204,27 +224,72 @@ class XlaFloor:
       w = train(x, None, images, labels)
       return [t + n * (wi - xi) for t, wi, xi in zip(total, w, x)]
 
-    @tf.function(jit_compile=True)
-    def scaffold(x, c, ci, total, cv_total, n, images, labels):
+    def scaffold_math(x, c, ci, total, cv_total, n, images, labels):
       w = train(x, [a - b for a, b in zip(c, ci)], images, labels)
       new_ci = [b - a + (xi - wi) / (steps * LEARNING_RATE)
                 for a, b, xi, wi in zip(c, ci, x, w)]
       return ([t + n * (wi - xi) for t, wi, xi in zip(total, w, x)],
               [t + (a - b) for t, a, b in zip(cv_total, new_ci, ci)], new_ci)
 
-    self._fedavg, self._scaffold = fedavg, scaffold
+    scaffold = tf.function(scaffold_math, jit_compile=True)
 
-  def _round(self, scaffold: bool, x, c, states, data, n):
+    @tf.function(jit_compile=True)
+    def scaffold_flat(x, c, ci, total, cv_total, n, images, labels):
+      total, cv_total, new_ci = scaffold_math(x, c, ci, total, cv_total, n,
+                                              images, labels)
+      return total, cv_total, tf.concat(
+          [tf.reshape(t, [-1]) for t in new_ci], 0)
+
+    @tf.function
+    def scaffold_file(path, x, c, total, cv_total, n, images, labels):
+      flat = tf.ensure_shape(
+          tf.io.parse_tensor(tf.io.read_file(path), tf.float32), [ends[-1]])
+      ci = [tf.reshape(flat[a:b], s)
+            for a, b, s in zip(ends[:-1], ends[1:], SHAPES)]
+      total, cv_total, new_flat = scaffold_flat(x, c, ci, total, cv_total, n,
+                                                images, labels)
+      written = tf.io.write_file(path, tf.io.serialize_tensor(new_flat))
+      with tf.control_dependencies([written]):
+        return ([tf.identity(t) for t in total],
+                [tf.identity(t) for t in cv_total])
+
+    self._fedavg, self._scaffold = fedavg, scaffold
+    self._scaffold_file = scaffold_file
+
+  @property
+  def threads(self) -> int:
+    return self._threads
+
+  def _path(self, client: int) -> str:
+    return os.path.join(self._directory, f'state_{client}')
+
+  def _clients(self, scaffold: bool, x, c, states, data, n, clients):
     tf = self._tf
     total = [tf.zeros(s) for s in SHAPES]
     cv_total = [tf.zeros(s) for s in SHAPES]
-    for i, (images, labels) in enumerate(data):
-      if scaffold:
+    for i in clients:
+      images, labels = data[i]
+      if not scaffold:
+        total = self._fedavg(x, total, n, images, labels)
+      elif self._states == 'file':
+        total, cv_total = self._scaffold_file(
+            tf.constant(self._path(i)), x, c, total, cv_total, n, images,
+            labels)
+      else:
         total, cv_total, states[i] = self._scaffold(
             x, c, states[i], total, cv_total, n, images, labels)
-      else:
-        total = self._fedavg(x, total, n, images, labels)
     return total, cv_total
+
+  def _round(self, scaffold: bool, x, c, states, data, n):
+    import concurrent.futures  # pylint: disable=g-import-not-at-top
+    threads = min(self._threads, len(data))
+    chunks = [range(len(data))[t::threads] for t in range(threads)]
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      parts = list(pool.map(
+          lambda chunk: self._clients(scaffold, x, c, states, data, n, chunk),
+          chunks))
+    add = lambda tensors: [self._tf.add_n(list(t)) for t in zip(*tensors)]
+    return add([p[0] for p in parts]), add([p[1] for p in parts])
 
   def run(self, workload: Workload, rounds: int, check_only: bool):
     import numpy as np  # pylint: disable=g-import-not-at-top
@@ -232,6 +297,10 @@ class XlaFloor:
     tensors = lambda flat: [tf.constant(t) for t in split(flat)]
     x, c = tensors(workload.x), tensors(workload.c)
     states = [tensors(s) for s in workload.states]
+    if self._states == 'file':
+      for i, state in enumerate(workload.states):
+        tf.io.write_file(self._path(i), tf.io.serialize_tensor(state))
+      states = None
     data = [(tf.constant(workload.images[i]), tf.constant(workload.labels[i]))
             for i in range(workload.clients)]
     n = tf.constant(float(workload.steps * workload.batch))
@@ -239,8 +308,14 @@ class XlaFloor:
     if check_only:
       fedavg_sum, _ = self._round(False, x, c, states, data, n)
       scaffold_sum, cv_sum = self._round(True, x, c, states, data, n)
-      return (flat(fedavg_sum), flat(scaffold_sum), flat(cv_sum),
-              np.stack([flat(s) for s in states]))
+      if self._states == 'file':
+        new_states = np.stack([
+            tf.io.parse_tensor(tf.io.read_file(self._path(i)),
+                               tf.float32).numpy()
+            for i in range(workload.clients)])
+      else:
+        new_states = np.stack([flat(s) for s in states])
+      return flat(fedavg_sum), flat(scaffold_sum), flat(cv_sum), new_states
     seconds = {False: [], True: []}
     for r in range(rounds + 1):
       for scaffold in (False, True):
@@ -251,6 +326,13 @@ class XlaFloor:
           seconds[scaffold].append(time.perf_counter() - started)
     median = lambda v: sorted(v)[len(v) // 2]
     return median(seconds[False]), median(seconds[True])
+
+
+def _size(shape) -> int:
+  size = 1
+  for dim in shape:
+    size *= dim
+  return size
 
 
 if __name__ == '__main__':

@@ -26,6 +26,14 @@ both rounds, SCAFFOLD's extra seconds and the ratio:
   client reading c_i and writing c_i+ in the page cache's own pages.
 - `xla`: each algorithm's client as one XLA-compiled TF function
   (`jit_compile=True`), c_i in RAM as tensors: TF's kernels, fused by XLA.
+- `xla_file`: the same, each c_i in a file of its own, read with
+  `read_file` and `parse_tensor` and written back with `serialize_tensor` and
+  `write_file`: the fewest TF ops that keep a state in a file. TF has no op
+  that writes into an existing file: `write_file` truncates it and writes it
+  whole, into newly allocated page-cache pages, where `c_file` rewrites the
+  pages it has.
+
+The XLA floors split a round's clients over --threads Python threads.
 
 These are lean implementations, not proofs that nothing is leaner. SCAFFOLD's
 extra seconds vary less between implementations than the ratio, which also
@@ -36,7 +44,7 @@ float64 NumPy reference of the same math (each tensor within 1e-3 of its own
 largest value), so they time the algorithms, not something cheaper.
 
   .venv/bin/python -m benchmarks.fused_floor [--clients_per_round=100]
-      [--floors=c_memory,c_file,c_mapped,xla] [--rounds=9]
+      [--floors=c_memory,c_file,c_mapped,xla,xla_file] [--rounds=9]
 """
 
 import re
@@ -54,9 +62,9 @@ _STEPS = flags.DEFINE_integer('client_steps', 2, 'K, local steps a client.')
 _BATCH = flags.DEFINE_integer('client_batch_size', 5, 'Examples a step.')
 _ROUNDS = flags.DEFINE_integer('rounds', 9, 'Timed rounds per algorithm.')
 _FLOORS = flags.DEFINE_list(
-    'floors', ['c_memory', 'c_file', 'c_mapped', 'xla'], 'Which floors to time.')
+    'floors', list(floors.FLOORS), 'Which floors to time.')
 _THREADS = flags.DEFINE_integer(
-    'threads', 0, 'Threads of the C floors (0: one per core).')
+    'threads', 0, 'Threads of each floor (0: one per core).')
 
 _XLA_CPU_NOISE = re.compile('SetPriority unimplemented for this stream')
 _CHECK_CLIENTS = 3
@@ -111,15 +119,16 @@ def _measure():
   rows = []
   with tempfile.TemporaryDirectory(prefix='fused_floor_') as directory:
     c_floor = (floors.CFloor(directory, _BATCH.value)
-               if set(_FLOORS.value) - {'xla'} else None)
-    xla_floor = (floors.XlaFloor(_STEPS.value)
-                 if 'xla' in _FLOORS.value else None)
+               if {f for f in _FLOORS.value if f.startswith('c_')} else None)
     for name in _FLOORS.value:
-      if name == 'xla':
+      if name.startswith('xla'):
+        states = 'file' if name == 'xla_file' else 'memory'
+        xla_floor = floors.XlaFloor(_STEPS.value, states, directory,
+                                    _THREADS.value)
         with tf_logs.stderr_without(_XLA_CPU_NOISE):
           floors.check(name, xla_floor.run(small, 0, check_only=True), want)
           fedavg, scaffold = xla_floor.run(workload, _ROUNDS.value, False)
-        threads = 'TF'
+        threads = xla_floor.threads
       else:
         states = name.split('_')[1]
         floors.check(name, c_floor.run(small, states, 1, _THREADS.value,

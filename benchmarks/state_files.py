@@ -16,6 +16,13 @@ runtime runs its groups:
   state, which is deleted when the round commits (as the driver does), so
   the writes reuse the pages the deletions freed.
 
+Then, for scale, the same number of files of the same size written by plain
+system calls from one Python thread, with no TF, no serialization and no
+page-cache handling: `write_file`'s own calls (open with truncation, write;
+each rewrite gets new page-cache pages), a new file renamed over the old one,
+a rewrite in place (`pwrite` into the file's existing pages; TF has no op that
+writes into an existing file) and a whole read.
+
 As in a run, each written state is dropped from the page cache once closed
 unless the next round reads it (`tff_algos/runtime/page_cache`): first
 visits drop every state, revisits none. `--noevict_written_states` leaves
@@ -120,6 +127,47 @@ def _time_case(directory: str, revisit: bool, threads: int) -> list[float]:
   return seconds[_WARMUP.value:]
 
 
+def _system_calls(directory: str, size: int) -> dict[str, float]:
+  """Median seconds a round of plain writes and reads of `size`-byte files
+  (see the module docstring), one thread."""
+  payload = os.urandom(size)
+  paths = [os.path.join(directory, f'client_{i}') for i in range(_CLIENTS.value)]
+
+  def truncate_and_write(path):
+    with open(path, 'wb') as f:
+      f.write(payload)
+
+  def new_file_renamed(path):
+    truncate_and_write(path + '.new')
+    os.replace(path + '.new', path)
+
+  def in_place(path):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+      os.pwrite(fd, payload, 0)
+    finally:
+      os.close(fd)
+
+  def read(path):
+    with open(path, 'rb') as f:
+      f.read()
+
+  cases = {'truncate and write (write_file)': truncate_and_write,
+           'new file, renamed over the old': new_file_renamed,
+           'in place (pwrite)': in_place, 'read': read}
+  for path in paths:
+    truncate_and_write(path)
+  seconds = {name: [] for name in cases}
+  for round_num in range(_WARMUP.value + _ROUNDS.value):
+    for name, case in cases.items():
+      started = time.perf_counter()
+      for path in paths:
+        case(path)
+      if round_num >= _WARMUP.value:
+        seconds[name].append(time.perf_counter() - started)
+  return {name: sorted(v)[len(v) // 2] for name, v in seconds.items()}
+
+
 def main(argv):
   del argv
   for flag in (_CLIENTS, _ROUNDS):
@@ -128,8 +176,9 @@ def main(argv):
   if _WARMUP.value < 0:
     raise UsageError(f'--warmup_rounds must be >= 0, got {_WARMUP.value}')
   threads = os.cpu_count() or 1
-  size_mb = sum(math.prod(shape)
-                for shape in STATE_SHAPES[_STATE.value]) * 4 / 1e6
+  state_bytes = 4 * sum(math.prod(shape)
+                        for shape in STATE_SHAPES[_STATE.value])
+  size_mb = state_bytes / 1e6
   print(f'state files ({_STATE.value}): {_CLIENTS.value} clients a round, '
         f'{size_mb:.1f} MB a state, {threads} threads, {_ROUNDS.value} timed '
         'rounds, written states ' + (
@@ -146,6 +195,14 @@ def main(argv):
     print(f'  {name:12s} {median:.3f} s/round (read + write, no training; '
           f'{1000 * median * threads / _CLIENTS.value:.1f} ms per client '
           f'per thread)')
+  print(f'the same files by plain system calls, one thread, no TF '
+        f'({_CLIENTS.value} files of {size_mb:.1f} MB a round):')
+  directory = tempfile.mkdtemp(prefix='state_files_')
+  try:
+    for name, median in _system_calls(directory, state_bytes).items():
+      print(f'  {name:32s} {median:.3f} s/round')
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == '__main__':

@@ -4,6 +4,7 @@ Only that it runs: its figures are measurements of this machine, not
 something a test can hold to a bound.
 """
 
+import os
 import re
 
 import numpy as np
@@ -125,9 +126,12 @@ def test_state_files_times_first_visits_and_revisits(state, megabytes):
   assert result.returncode == 0, result.stderr[-3000:]
   assert f'state files ({state}): 4 clients a round, {megabytes} MB' in (
       result.stdout), result.stdout
-  for case in ('first visits', 'revisits'):
+  for case in ('first visits', 'revisits', r'truncate and write \(write_file\)',
+               'new file, renamed over the old', r'in place \(pwrite\)',
+               'read'):
     assert re.search(rf'^  {case} +[0-9.]+ s/round', result.stdout,
                      re.MULTILINE), result.stdout
+  assert f'4 files of {megabytes} MB a round' in result.stdout
 
 
 def test_state_files_bad_clients_per_round_is_one_clear_error():
@@ -204,24 +208,29 @@ def test_the_check_sees_an_error_in_the_first_layer_alone():
     floors.check('wrong', wrong, want)
 
 
-def test_the_xla_floor_computes_fedavg_and_scaffold():
+@pytest.mark.parametrize('states', ['memory', 'file'])
+def test_the_xla_floor_computes_fedavg_and_scaffold(tmp_path, states):
   from benchmarks import floors  # pylint: disable=import-outside-toplevel
-  workload = floors.Workload(2, 2, 3, seed=3)
-  floors.check('xla', floors.XlaFloor(2).run(
-      workload, 0, check_only=True), floors.reference(workload))
+  workload = floors.Workload(3, 2, 3, seed=3)
+  floor = floors.XlaFloor(2, states, str(tmp_path), threads=2)
+  got = floor.run(workload, 0, check_only=True)
+  floors.check('xla', got, floors.reference(workload))
+  if states == 'file':  # c_i+ is what the files hold after the round.
+    assert sorted(os.listdir(tmp_path)) == ['state_0', 'state_1', 'state_2']
 
 
 def test_fused_floor_prints_each_floors_ratio(c_floor):
+  from benchmarks import floors as floors_lib  # pylint: disable=import-outside-toplevel
   c_floor(5)  # Skips where cc cannot build the C floors.
   result = run_binary('benchmarks.fused_floor', '--clients_per_round=3',
                       '--rounds=1')
   assert result.returncode == 0, result.stderr[-3000:]
-  for floor in ('c_memory', 'c_file', 'c_mapped', 'xla'):
+  for floor in floors_lib.FLOORS:
     assert re.search(rf'^  {floor} +\S+ +[0-9.]+ +[0-9.]+ +-?[0-9.]+ +'
                      r'[0-9.]+x$', result.stdout, re.MULTILINE), result.stdout
   bad = run_binary('benchmarks.fused_floor', '--floors=c_memory,gpu')
   assert bad.returncode == 2
-  assert ('error: --floors takes some of c_memory,c_file,c_mapped,xla, got '
+  assert ('error: --floors takes some of c_memory,c_file,c_mapped,xla,xla_file, got '
           'c_memory,gpu') in bad.stderr
   # 1.2 TB of inputs: refused before anything is made.
   too_large = run_binary('benchmarks.fused_floor', '--clients_per_round=100000')
