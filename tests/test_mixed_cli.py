@@ -107,18 +107,23 @@ def test_plot_rejects_an_unknown_metric(tmp_path):
       f'{tmp_path / "a" / "metrics.csv"}; allowed: eval/auc, train/loss')
 
 
-@pytest.mark.parametrize('content, reason', [
-    (b'\xff\xfe round', "UnicodeDecodeError: 'utf-8' codec can't decode "
-     'byte 0xff in position 0: invalid start byte'),
-    (b'round_num,eval/auc\nx,abc\n',
-     "ValueError: invalid literal for int() with base 10: 'x'"),
+@pytest.mark.parametrize('content, error', [
+    (b'\xff\xfe round', "is not a metrics file of binaries.train "
+     "(UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position "
+     '0: invalid start byte)'),
+    (b'round_num,eval/auc\n1,0.5\nx,0.6\n', "line 3: round_num='x', "
+     "eval/auc='0.6' are not a round and a number"),
+    (b'round_num,eval/auc\n1,abc\n', "line 2: round_num='1', "
+     "eval/auc='abc' are not a round and a number"),
+    # Was a KeyError traceback.
+    (b'round,eval/auc\n1,0.5\n', 'is not a metrics file of binaries.train '
+     '(it has no round_num column)'),
 ])
-def test_plot_refuses_a_damaged_metrics_file(tmp_path, content, reason):
+def test_plot_refuses_a_damaged_metrics_file(tmp_path, content, error):
   (tmp_path / 'a').mkdir()
   (tmp_path / 'a' / 'metrics.csv').write_bytes(content)
-  _assert_plot_refuses(
-      tmp_path / 'a', 'eval/auc', f'{tmp_path / "a" / "metrics.csv"} is not '
-      f'a metrics file of binaries.train ({reason})')
+  _assert_plot_refuses(tmp_path / 'a', 'eval/auc',
+                       f'{tmp_path / "a" / "metrics.csv"} {error}')
 
 
 @pytest.mark.parametrize('output', ['file/x.png', 'dir.png'])
