@@ -603,6 +603,22 @@ def _store_locked(definition: round_lib.RoundDefinition,
     yield
 
 
+def _checkpoint_on_interrupt(checkpoints: CheckpointManager,
+                             keeper: Optional[ClientStateKeeper],
+                             round_num: int, server_state) -> None:
+  """Checkpoints round `round_num`, the newest finished one, after a Ctrl-C:
+  re-running the command then goes on from it instead of the last periodic
+  checkpoint. The interrupted round's state files are left to the next
+  start, which removes them (its round is after the checkpoint)."""
+  if checkpoints.latest_round() == round_num:
+    return
+  checkpoints.save(round_num, server_state,
+                   keeper.index.versions if keeper else np.zeros([0], np.int64))
+  if keeper:
+    keeper.checkpointed(round_num)
+  logging.info('Interrupted: checkpointed round %d', round_num)
+
+
 def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                   config: RunConfig, hparams: Optional[dict],
                   model_aggregator, round_metrics,
@@ -682,6 +698,10 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                       config.clients_per_round)
 
   next_plan = plan_of(start_round + 1)
+  # The newest round whose server state, client-state index and metrics row
+  # agree, which a Ctrl-C checkpoints; None from a round's commit to its
+  # row (the index then names the round's states, the state does not).
+  completed = (start_round, server_state)
   try:
     for round_num in range(start_round + 1, config.total_rounds + 1):
       interrupts.check()
@@ -697,8 +717,10 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
       if keeper:
         keeper.prepare(round_num, client_ids[next_plan.client_indices]
                        if next_plan is not None else [])
-      server_state, metrics = process.next(server_state, groups, round_num,
-                                           plan.server_seed)
+      new_state, metrics = process.next(server_state, groups, round_num,
+                                        plan.server_seed)
+      completed = None
+      server_state = new_state
       if keeper:
         keeper.commit(plan.client_indices, round_num)
       row = evaluation.flatten_metrics(metrics)
@@ -719,6 +741,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
         row['eval_seconds'] = time.perf_counter() - eval_started
       interrupts.run_coroutine(csv_metrics.release(row, round_num))
       interrupts.run_coroutine(tensorboard.release(row, round_num))
+      completed = (round_num, server_state)
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
         checkpoints.save(round_num, server_state,
                          keeper.index.versions if keeper else
@@ -739,6 +762,10 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
           task, weights, os.path.join(run_dir, export_lib.EXPORT_DIR),
           personal_models_writer(definition, server_state,
                                  keeper and keeper.view()))
+  except KeyboardInterrupt:
+    if completed is not None:
+      _checkpoint_on_interrupt(checkpoints, keeper, *completed)
+    raise
   finally:
     progress.close()
     if keeper:

@@ -19,7 +19,8 @@ import sys
 
 # What an interrupted binary prints (after "error: ") and its status, as a
 # shell reports a SIGINT.
-# A training run's rounds after its last checkpoint are trained again.
+# A training run checkpoints its newest finished round first where it can
+# (pipeline.driver); rounds after its last checkpoint are trained again.
 INTERRUPTED = ('interrupted; re-run the same command to go on (a training '
                'run from its last checkpoint)')
 EXIT_INTERRUPTED = 130

@@ -1,0 +1,114 @@
+"""A Ctrl-C checkpoints the newest finished round, and the run resumes from it
+exactly: SCAFFOLD's server state, control variates and stored c_i equal an
+uninterrupted run's, bit for bit."""
+
+import csv
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import scaffold_testlib as lib
+from pipeline import driver
+from tff_algos.algorithms import registry
+
+ROUNDS = 5
+INTERRUPTED_ROUND = 3
+
+
+def _train(root, name, runtime, interrupt_in=None, monkeypatch=None):
+  task = lib.build_linear_task()
+  settings = registry.settings_class('scaffold')(
+      client_learning_rate=lib.CLIENT_LR, server_learning_rate=lib.SERVER_LR)
+  definition = registry.build('scaffold', task, settings)
+  config = driver.RunConfig(
+      root_output_dir=str(root), experiment_name=name, total_rounds=ROUNDS,
+      clients_per_round=lib.CLIENTS_PER_ROUND, rounds_per_eval=ROUNDS,
+      rounds_per_checkpoint=100, seed=lib.SEED, export=False, runtime=runtime)
+  if interrupt_in is not None:
+    compose = driver.compose_process
+
+    def interrupting(*args, **kwargs):
+      process = compose(*args, **kwargs)
+      next_fn = process.next
+
+      class Interrupting:
+        def __getattr__(self, attr):
+          return getattr(process, attr)
+
+        def next(self, state, groups, round_num, server_seed):
+          result = next_fn(state, groups, round_num, server_seed)
+          if round_num == interrupt_in:
+            # The round's clients wrote their states; nothing committed them.
+            raise KeyboardInterrupt
+          return result
+
+      return Interrupting()
+
+    monkeypatch.setattr(driver, 'compose_process', interrupting)
+  try:
+    result = driver.train(definition, task, config)
+  finally:
+    if interrupt_in is not None:
+      monkeypatch.setattr(driver, 'compose_process', compose)
+  states = driver.committed_client_states(definition, task, config.run_dir)
+  ids = [str(k) for k in range(lib.NUM_CLIENTS)]
+  return result, states.read(ids), config.run_dir
+
+
+def _rows(run_dir):
+  with open(os.path.join(run_dir, 'metrics.csv')) as f:
+    return [{k: v for k, v in row.items() if not k.endswith('_seconds')}
+            for row in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize('runtime', ['native', 'tff'])
+def test_ctrl_c_checkpoints_the_last_finished_round(tmp_path, monkeypatch,
+                                                    runtime):
+  with pytest.raises(KeyboardInterrupt):
+    _train(tmp_path, 'run', runtime, INTERRUPTED_ROUND, monkeypatch)
+  run_dir = tmp_path / 'run'
+  # Only round 0 was due (every 100 rounds); round 2 is the interrupt's.
+  assert sorted(os.listdir(run_dir / 'checkpoints')) == ['round_0', 'round_2']
+  assert [r['round_num'] for r in _rows(run_dir)] == ['1', '2']
+  # Round 3's states are on disk, uncommitted; the resume removes them.
+  assert (run_dir / 'client_states' / 'round_3').is_dir()
+
+  resumed, resumed_states, _ = _train(tmp_path, 'run', runtime)
+  reference, reference_states, reference_dir = _train(tmp_path, 'reference',
+                                                      runtime)
+  assert _rows(run_dir) == _rows(reference_dir)
+  for a, b in zip(tf.nest.flatten(resumed.server_state),
+                  tf.nest.flatten(reference.server_state), strict=True):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(tf.nest.flatten(resumed_states),
+                  tf.nest.flatten(reference_states), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_ctrl_c_while_a_round_commits_checkpoints_nothing_new(tmp_path,
+                                                              monkeypatch):
+  # Once round 3's commit has deleted the states it replaced, round 2's
+  # index names files that are gone: the run goes on from round 0 instead.
+  commit = driver.ClientStateKeeper.commit
+
+  def interrupted_commit(self, indices, round_num):
+    commit(self, indices, round_num)
+    if round_num == INTERRUPTED_ROUND:
+      raise KeyboardInterrupt
+
+  monkeypatch.setattr(driver.ClientStateKeeper, 'commit', interrupted_commit)
+  with pytest.raises(KeyboardInterrupt):
+    _train(tmp_path, 'run', 'native')
+  monkeypatch.setattr(driver.ClientStateKeeper, 'commit', commit)
+  run_dir = tmp_path / 'run'
+  assert sorted(os.listdir(run_dir / 'checkpoints')) == ['round_0']
+  resumed, resumed_states, _ = _train(tmp_path, 'run', 'native')
+  reference, reference_states, reference_dir = _train(tmp_path, 'reference',
+                                                      'native')
+  assert _rows(run_dir) == _rows(reference_dir)
+  for a, b in zip(tf.nest.flatten((resumed.server_state, resumed_states)),
+                  tf.nest.flatten((reference.server_state, reference_states)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
