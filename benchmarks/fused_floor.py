@@ -9,7 +9,7 @@ weights, 5.4 MB), K=--client_steps plain SGD steps of --client_batch_size
 examples, --clients_per_round clients; FedAvg sums n_i (y_i - x), SCAFFOLD
 (Option II) also corrects each step by c - c_i and sums c_i+ - c_i.
 
-Four implementations, each timing FedAvg's and SCAFFOLD's rounds alternately
+Six implementations, each timing FedAvg's and SCAFFOLD's rounds alternately
 in one process (median of --rounds timed rounds after one untimed); it prints
 both rounds, SCAFFOLD's extra seconds and the ratio:
 
@@ -33,6 +33,10 @@ both rounds, SCAFFOLD's extra seconds and the ratio:
   whole, into newly allocated page-cache pages, where `c_file` rewrites the
   pages it has.
 
+- `tf_factored`: plain TF ops, one thread, with W1's c_i and updates kept as
+  factors A^T D (`floors.FactoredFloor`): exact under Option II with plain
+  SGD, and lean while K*B*(21168 + 64) < 21168*64.
+
 The XLA floors split a round's clients over --threads Python threads.
 
 These are lean implementations, not proofs that nothing is leaner. SCAFFOLD's
@@ -44,7 +48,7 @@ float64 NumPy reference of the same math (each tensor within 1e-3 of its own
 largest value), so they time the algorithms, not something cheaper.
 
   .venv/bin/python -m benchmarks.fused_floor [--clients_per_round=100]
-      [--floors=c_memory,c_file,c_mapped,xla,xla_file] [--rounds=9]
+      [--floors=c_memory,c_file,c_mapped,xla,xla_file,tf_factored] [--rounds=9]
 """
 
 import re
@@ -121,7 +125,18 @@ def _measure():
     c_floor = (floors.CFloor(directory, _BATCH.value)
                if {f for f in _FLOORS.value if f.startswith('c_')} else None)
     for name in _FLOORS.value:
-      if name.startswith('xla'):
+      if name == 'tf_factored':
+        factored = floors.FactoredFloor(_STEPS.value, _BATCH.value)
+        small_factored = floors.Workload(_CHECK_CLIENTS, _STEPS.value,
+                                         _BATCH.value, seed=1)
+        factors = factored.factor_states(small_factored, seed=8)
+        floors.check(name, factored.run(small_factored, factors, 0, True),
+                     floors.reference(small_factored))
+        fedavg, scaffold = factored.run(
+            workload, factored.factor_states(workload, seed=9), _ROUNDS.value,
+            False)
+        threads = 1
+      elif name.startswith('xla'):
         states = 'file' if name == 'xla_file' else 'memory'
         xla_floor = floors.XlaFloor(_STEPS.value, states, directory,
                                     _THREADS.value)

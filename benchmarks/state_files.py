@@ -3,8 +3,10 @@ SCAFFOLD's round time over FedAvg's.
 
 Times the store's own TF read and write (`tff_algos/runtime/client_states`)
 of a client's state in `benchmarks.rounds` (`--state`): SCAFFOLD's c_i, a
-full-model state (the CelebA model: 1,354,881 float32 weights, 5.4 MB), or
-FedResAvg's theta_i and c_i (1,524,242 weights, 6.1 MB), for a round's
+full-model state (the CelebA model: 1,354,881 float32 weights, 5.4 MB),
+FedResAvg's theta_i and c_i (1,524,242 weights, 6.1 MB), or SCAFFOLD's c_i
+with its first layer as factors (`benchmarks.floors.FactoredFloor`; 212,449
+weights, 0.8 MB), for a round's
 clients, with no training, split over one thread per core as the native
 runtime runs its groups:
 
@@ -29,7 +31,7 @@ visits drop every state, revisits none. `--noevict_written_states` leaves
 them all to the kernel, to see what dropping saves on this machine.
 
   .venv/bin/python -m benchmarks.state_files [--clients_per_round=100]
-      [--state=scaffold|fedres_avg] [--noevict_written_states]
+      [--state=scaffold|fedres_avg|scaffold_factored] [--noevict_written_states]
 """
 
 import math
@@ -53,9 +55,15 @@ _WARMUP = flags.DEFINE_integer('warmup_rounds', 1, 'Untimed first rounds.')
 # personal model there (flatten + Dense(8) + Dense(1)).
 GLOBAL_SHAPES = floors.SHAPES
 LOCAL_SHAPES = ((84 * 84 * 3, 8), (8,), (8, 1), (1,))
+# SCAFFOLD's c_i with W1's part as factors A^T D / K (benchmarks.floors.
+# FactoredFloor): the K*B = 10 images and first-layer gradients of the
+# benchmark's K=2 steps of 5, and the small tensors.
+FACTORED_SHAPES = ((10, GLOBAL_SHAPES[0][0]), (10, GLOBAL_SHAPES[0][1])
+                   ) + GLOBAL_SHAPES[1:]
 STATE_SHAPES = {
     'scaffold': GLOBAL_SHAPES,  # c_i
     'fedres_avg': LOCAL_SHAPES + GLOBAL_SHAPES,  # theta_i, c_i (Option II)
+    'scaffold_factored': FACTORED_SHAPES,
 }
 _STATE = flags.DEFINE_enum('state', 'scaffold', list(STATE_SHAPES),
                            'Whose client state to store.')

@@ -119,7 +119,8 @@ def test_unusable_run_root_is_one_clear_error(rounds, tmp_path, make_root):
 
 
 @pytest.mark.parametrize('state, megabytes', [('scaffold', '5.4'),
-                                              ('fedres_avg', '6.1')])
+                                              ('fedres_avg', '6.1'),
+                                              ('scaffold_factored', '0.8')])
 def test_state_files_times_first_visits_and_revisits(state, megabytes):
   result = run_binary('benchmarks.state_files', '--clients_per_round=4',
                       '--rounds=2', f'--state={state}')
@@ -219,6 +220,20 @@ def test_the_xla_floor_computes_fedavg_and_scaffold(tmp_path, states):
     assert sorted(os.listdir(tmp_path)) == ['state_0', 'state_1', 'state_2']
 
 
+@pytest.mark.parametrize('steps, batch', [(1, 2), (3, 5)])
+def test_the_factored_floor_computes_fedavg_and_scaffold(steps, batch):
+  # W1's c_i kept as factors (A^T D / K) must give the dense math's sums and
+  # c_i+, clients' previous c_i with factors of their own included.
+  from benchmarks import floors  # pylint: disable=import-outside-toplevel
+  floor = floors.FactoredFloor(steps, batch)
+  workload = floors.Workload(3, steps, batch, seed=5)
+  factors = floor.factor_states(workload, seed=6)
+  want = floors.reference(workload)
+  got = floor.run(workload, factors, 0, check_only=True)
+  floors.check('tf_factored', got, want)
+  assert not np.allclose(got[0], got[1])
+
+
 def test_fused_floor_prints_each_floors_ratio(c_floor):
   from benchmarks import floors as floors_lib  # pylint: disable=import-outside-toplevel
   c_floor(5)  # Skips where cc cannot build the C floors.
@@ -230,7 +245,8 @@ def test_fused_floor_prints_each_floors_ratio(c_floor):
                      r'[0-9.]+x$', result.stdout, re.MULTILINE), result.stdout
   bad = run_binary('benchmarks.fused_floor', '--floors=c_memory,gpu')
   assert bad.returncode == 2
-  assert ('error: --floors takes some of c_memory,c_file,c_mapped,xla,xla_file, got '
+  assert ('error: --floors takes some of c_memory,c_file,c_mapped,xla,xla_file,'
+          'tf_factored, got '
           'c_memory,gpu') in bad.stderr
   # 1.2 TB of inputs: refused before anything is made.
   too_large = run_binary('benchmarks.fused_floor', '--clients_per_round=100000')
