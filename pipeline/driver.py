@@ -739,9 +739,10 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                                                   keeper.view()),
               'eval_personalized/'))
         row['eval_seconds'] = time.perf_counter() - eval_started
-      interrupts.run_coroutine(csv_metrics.release(row, round_num))
-      interrupts.run_coroutine(tensorboard.release(row, round_num))
-      completed = (round_num, server_state)
+      with interrupts.deferred():  # A Ctrl-C meanwhile finds the row done.
+        interrupts.run_coroutine(csv_metrics.release(row, round_num))
+        interrupts.run_coroutine(tensorboard.release(row, round_num))
+        completed = (round_num, server_state)
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
         checkpoints.save(round_num, server_state,
                          keeper.index.versions if keeper else

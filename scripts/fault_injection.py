@@ -235,6 +235,47 @@ def client_state_files(run_dir: str) -> dict[str, str]:
   return found
 
 
+def unnamed_or_missing_states(run_dir: str) -> list[str]:
+  """Round directories of the store whose file count is not the number of
+  clients some kept checkpoint names that round's version for: states left
+  behind that no checkpoint needs, or missing ones."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  directory = os.path.join(run_dir, 'checkpoints')
+  kept = [tf.train.load_checkpoint(
+      os.path.join(directory, name, 'variables', 'variables')).get_tensor(
+          '_value/client_versions/.ATTRIBUTES/VARIABLE_VALUE')
+          for name in os.listdir(directory)
+          if name[len('round_'):].isdigit()]
+  if not kept or not kept[0].size:
+    return []
+  versions = np.stack(kept)
+  store = os.path.join(run_dir, 'client_states')
+  rounds = {int(n[len('round_'):]) for n in os.listdir(store)
+            if n.startswith('round_')} | set(versions[versions >= 0].tolist())
+  problems = []
+  for round_num in sorted(rounds):
+    expected = int(np.sum(np.any(versions == round_num, axis=0)))
+    path = os.path.join(store, f'round_{round_num}')
+    found = len(os.listdir(path)) if os.path.isdir(path) else 0
+    if found != expected:
+      problems.append(f'round_{round_num} holds {found} states, the kept '
+                      f'checkpoints name {expected}')
+  return problems
+
+
+def newest_states(files: dict[str, str]) -> dict[str, str]:
+  """{client file name: 'round_<r>/<name> <digest>'} of each client's newest
+  version among `client_state_files`' files."""
+  newest = {}
+  for path, digest in files.items():
+    round_dir, name = os.path.split(path)
+    round_num = int(round_dir[len('round_'):])
+    if name not in newest or round_num > newest[name][0]:
+      newest[name] = (round_num, f'{path} {digest}')
+  return {name: entry for name, (_, entry) in newest.items()}
+
+
 def export_arrays(run_dir: str) -> list:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   loaded = tf.saved_model.load(os.path.join(run_dir, 'export'))
@@ -285,10 +326,19 @@ def differences(reference: str, run: str) -> list[str]:
     found.append('personal models differ')
   reference_states, states = (client_state_files(reference),
                               client_state_files(run))
-  if states != reference_states:
-    differing = sorted(set(states.items()) ^ set(reference_states.items()))
+  # Each client's newest state is the one the final checkpoint names. Older
+  # versions are kept for the kept checkpoints, which differ after a Ctrl-C
+  # (it checkpoints the round it stopped after), but a version both stores
+  # hold must hold the same bytes.
+  differing = sorted(
+      {path for path in set(states) & set(reference_states)
+       if states[path] != reference_states[path]} |
+      (set(newest_states(states).items()) ^
+       set(newest_states(reference_states).items())))
+  if differing:
     found.append(f'client-state files differ ({len(differing)}, e.g. '
-                 f'{differing[0][0]})')
+                 f'{differing[0]})')
+  found.extend(unnamed_or_missing_states(run))
   reference_scalars, _ = tensorboard_scalars(reference)
   scalars, repeated = tensorboard_scalars(run)
   if repeated:

@@ -112,3 +112,39 @@ def test_ctrl_c_while_a_round_commits_checkpoints_nothing_new(tmp_path,
                   tf.nest.flatten((reference.server_state, reference_states)),
                   strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_ctrl_c_while_a_row_is_written_checkpoints_its_round(tmp_path,
+                                                             monkeypatch):
+  # The binaries' SIGINT handler calls interrupts.interrupt(); inside the
+  # row's writes it takes effect once both are written, and the round is
+  # then complete.
+  from pipeline import interrupts  # pylint: disable=import-outside-toplevel
+  run_coroutine = interrupts.run_coroutine
+  csv_rows = []
+
+  def interrupted_in_the_third_row(coroutine):
+    is_row = 'CSVFileReleaseManager' in coroutine.__qualname__
+    result = run_coroutine(coroutine)
+    if is_row:
+      csv_rows.append(1)
+      if len(csv_rows) == INTERRUPTED_ROUND:
+        interrupts.interrupt()
+    return result
+
+  monkeypatch.setattr(interrupts, 'run_coroutine',
+                      interrupted_in_the_third_row)
+  with pytest.raises(KeyboardInterrupt):
+    _train(tmp_path, 'run', 'native')
+  monkeypatch.setattr(interrupts, 'run_coroutine', run_coroutine)
+  monkeypatch.setattr(interrupts, '_requested', False)
+  run_dir = tmp_path / 'run'
+  assert sorted(os.listdir(run_dir / 'checkpoints')) == ['round_0', 'round_3']
+  resumed, resumed_states, _ = _train(tmp_path, 'run', 'native')
+  reference, reference_states, reference_dir = _train(tmp_path, 'reference',
+                                                      'native')
+  assert _rows(run_dir) == _rows(reference_dir)
+  for a, b in zip(tf.nest.flatten((resumed.server_state, resumed_states)),
+                  tf.nest.flatten((reference.server_state, reference_states)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
