@@ -63,6 +63,19 @@ def _rows(run_dir):
             for row in csv.DictReader(f)]
 
 
+def _assert_resumes_exactly(root, runtime):
+  """Re-running 'run' ends as an uninterrupted 'reference' run: metrics
+  rows, server state and every client's stored c_i, bit for bit."""
+  resumed, resumed_states, run_dir = _train(root, 'run', runtime)
+  reference, reference_states, reference_dir = _train(root, 'reference',
+                                                      runtime)
+  assert _rows(run_dir) == _rows(reference_dir)
+  for a, b in zip(tf.nest.flatten((resumed.server_state, resumed_states)),
+                  tf.nest.flatten((reference.server_state, reference_states)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize('runtime', ['native', 'tff'])
 def test_ctrl_c_checkpoints_the_last_finished_round(tmp_path, monkeypatch,
                                                     runtime):
@@ -75,16 +88,7 @@ def test_ctrl_c_checkpoints_the_last_finished_round(tmp_path, monkeypatch,
   # Round 3's states are on disk, uncommitted; the resume removes them.
   assert (run_dir / 'client_states' / 'round_3').is_dir()
 
-  resumed, resumed_states, _ = _train(tmp_path, 'run', runtime)
-  reference, reference_states, reference_dir = _train(tmp_path, 'reference',
-                                                      runtime)
-  assert _rows(run_dir) == _rows(reference_dir)
-  for a, b in zip(tf.nest.flatten(resumed.server_state),
-                  tf.nest.flatten(reference.server_state), strict=True):
-    np.testing.assert_array_equal(a, b)
-  for a, b in zip(tf.nest.flatten(resumed_states),
-                  tf.nest.flatten(reference_states), strict=True):
-    np.testing.assert_array_equal(a, b)
+  _assert_resumes_exactly(tmp_path, runtime)
 
 
 def test_ctrl_c_while_a_round_commits_checkpoints_nothing_new(tmp_path,
@@ -104,14 +108,7 @@ def test_ctrl_c_while_a_round_commits_checkpoints_nothing_new(tmp_path,
   monkeypatch.setattr(driver.ClientStateKeeper, 'commit', commit)
   run_dir = tmp_path / 'run'
   assert sorted(os.listdir(run_dir / 'checkpoints')) == ['round_0']
-  resumed, resumed_states, _ = _train(tmp_path, 'run', 'native')
-  reference, reference_states, reference_dir = _train(tmp_path, 'reference',
-                                                      'native')
-  assert _rows(run_dir) == _rows(reference_dir)
-  for a, b in zip(tf.nest.flatten((resumed.server_state, resumed_states)),
-                  tf.nest.flatten((reference.server_state, reference_states)),
-                  strict=True):
-    np.testing.assert_array_equal(a, b)
+  _assert_resumes_exactly(tmp_path, 'native')
 
 
 def test_ctrl_c_while_a_row_is_written_checkpoints_its_round(tmp_path,
@@ -140,11 +137,4 @@ def test_ctrl_c_while_a_row_is_written_checkpoints_its_round(tmp_path,
   monkeypatch.setattr(interrupts, '_requested', False)
   run_dir = tmp_path / 'run'
   assert sorted(os.listdir(run_dir / 'checkpoints')) == ['round_0', 'round_3']
-  resumed, resumed_states, _ = _train(tmp_path, 'run', 'native')
-  reference, reference_states, reference_dir = _train(tmp_path, 'reference',
-                                                      'native')
-  assert _rows(run_dir) == _rows(reference_dir)
-  for a, b in zip(tf.nest.flatten((resumed.server_state, resumed_states)),
-                  tf.nest.flatten((reference.server_state, reference_states)),
-                  strict=True):
-    np.testing.assert_array_equal(a, b)
+  _assert_resumes_exactly(tmp_path, 'native')
