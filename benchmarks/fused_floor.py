@@ -28,11 +28,10 @@ both rounds, SCAFFOLD's extra seconds and the ratio:
   (`jit_compile=True`), c_i in RAM as tensors: TF's kernels, fused by XLA.
 - `xla_file`: the same, each c_i in a file of its own, read with
   `read_file` and `parse_tensor` and written back with `serialize_tensor` and
-  `write_file`: the fewest TF ops that keep a state in a file. TF has no op
-  that writes into an existing file: `write_file` truncates it and writes it
-  whole, into newly allocated page-cache pages, where `c_file` rewrites the
-  pages it has.
-
+  `write_file`: the fewest TF ops that keep a state in a file. `write_file`
+  truncates the file and writes it whole, into newly allocated page-cache
+  pages, where `c_file` rewrites the pages it has (TF's other file writes
+  append, or go through SQLite).
 - `tf_factored`: plain TF ops, one thread, with W1's c_i and updates kept as
   factors A^T D (`floors.FactoredFloor`): exact under Option II with plain
   SGD, and lean while K*B*(21168 + 64) < 21168*64.

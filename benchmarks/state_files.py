@@ -22,8 +22,9 @@ Then, for scale, the same number of files of the same size written by plain
 system calls from one Python thread, with no TF, no serialization and no
 page-cache handling: `write_file`'s own calls (open with truncation, write;
 each rewrite gets new page-cache pages), a new file renamed over the old one,
-a rewrite in place (`pwrite` into the file's existing pages; TF has no op that
-writes into an existing file) and a whole read.
+a rewrite in place (`pwrite` into the file's existing pages, which no TF op
+does cheaply: TF's file writes truncate, append or go through SQLite) and a
+whole read.
 
 As in a run, each written state is dropped from the page cache once closed
 unless the next round reads it (`tff_algos/runtime/page_cache`): first
