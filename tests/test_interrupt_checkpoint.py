@@ -131,10 +131,13 @@ def test_ctrl_c_while_a_row_is_written_checkpoints_its_round(tmp_path,
 
   monkeypatch.setattr(interrupts, 'run_coroutine',
                       interrupted_in_the_third_row)
+  # interrupt() marks the process as interrupted; the teardown restores this
+  # (False), or every later run in this test process would stop at once.
+  monkeypatch.setattr(interrupts, '_requested', interrupts.requested())
   with pytest.raises(KeyboardInterrupt):
     _train(tmp_path, 'run', 'native')
   monkeypatch.setattr(interrupts, 'run_coroutine', run_coroutine)
-  monkeypatch.setattr(interrupts, '_requested', False)
+  interrupts._requested = False  # pylint: disable=protected-access
   run_dir = tmp_path / 'run'
   assert sorted(os.listdir(run_dir / 'checkpoints')) == ['round_0', 'round_3']
   _assert_resumes_exactly(tmp_path, 'native')
