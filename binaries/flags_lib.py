@@ -35,7 +35,8 @@ flags.DEFINE_integer('clients_per_round', 10,
                      'population).')
 flags.DEFINE_integer('rounds_per_eval', 1, 'Evaluate every this many rounds.')
 flags.DEFINE_integer('rounds_per_checkpoint', 5,
-                     'Checkpoint every this many rounds.')
+                     'Checkpoint every this many rounds (and, at a Ctrl-C, '
+                     'the newest finished round).')
 # NumPy's legacy global seed (set with TF's) takes 32 bits.
 flags.DEFINE_integer('seed', 0, 'Seed of initialization, sampling, data and '
                      'the aggregators\' random draws (DP noise: a released '

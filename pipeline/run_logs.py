@@ -1,12 +1,12 @@
 """A run's metrics.csv and TensorBoard events, cut back to a checkpoint.
 
 Rows and events of a round are written when the round ends, checkpoints only
-every --rounds_per_checkpoint rounds: a run that is killed (or hits a full
-disk) leaves rows and events of rounds after its latest checkpoint, maybe a
-half-written last row or event record. The resumed run re-runs those rounds,
-so `trim_metrics` and `trim_tensorboard` first remove everything after the
-checkpoint; a round then appears once, as in an uninterrupted run. Kept rows
-are kept byte for byte.
+every --rounds_per_checkpoint rounds (and at a Ctrl-C): a run that is killed
+(or hits a full disk) leaves rows and events of rounds after its latest
+checkpoint, maybe a half-written last row or event record. The resumed run
+re-runs those rounds, so `trim_metrics` and `trim_tensorboard` first remove
+everything after the checkpoint; a round then appears once, as in an
+uninterrupted run. Kept rows are kept byte for byte.
 
 Only what a kill can leave is cleaned up: rows after the checkpoint, a last
 row or event record cut off mid-write. Anything else (metrics.csv missing
