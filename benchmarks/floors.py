@@ -2,6 +2,7 @@
 float64 reference of their math: the pieces of `benchmarks.fused_floor`
 (which documents them), importable without its flags."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -199,10 +200,9 @@ class XlaFloor:
     self._states = states
     self._directory = directory
     self._threads = threads or os.cpu_count() or 1
-    sizes = [_size(s) for s in SHAPES]
     ends = [0]
-    for size in sizes:
-      ends.append(ends[-1] + size)
+    for shape in SHAPES:
+      ends.append(ends[-1] + math.prod(shape))
 
     def loss(w, images, labels):
       hidden = tf.nn.relu(images @ w[0] + w[1])
@@ -294,17 +294,12 @@ class XlaFloor:
   def run(self, workload: Workload, rounds: int, check_only: bool):
     import numpy as np  # pylint: disable=g-import-not-at-top
     tf = self._tf
-    tensors = lambda flat: [tf.constant(t) for t in split(flat)]
-    x, c = tensors(workload.x), tensors(workload.c)
-    states = [tensors(s) for s in workload.states]
+    x, c, data, n = _tf_inputs(workload)
+    states = [[tf.constant(t) for t in split(s)] for s in workload.states]
     if self._states == 'file':
       for i, state in enumerate(workload.states):
         tf.io.write_file(self._path(i), tf.io.serialize_tensor(state))
       states = None
-    data = [(tf.constant(workload.images[i]), tf.constant(workload.labels[i]))
-            for i in range(workload.clients)]
-    n = tf.constant(float(workload.steps * workload.batch))
-    flat = lambda ts: np.concatenate([t.numpy().ravel() for t in ts])
     if check_only:
       fedavg_sum, _ = self._round(False, x, c, states, data, n)
       scaffold_sum, cv_sum = self._round(True, x, c, states, data, n)
@@ -314,8 +309,8 @@ class XlaFloor:
                                tf.float32).numpy()
             for i in range(workload.clients)])
       else:
-        new_states = np.stack([flat(s) for s in states])
-      return flat(fedavg_sum), flat(scaffold_sum), flat(cv_sum), new_states
+        new_states = np.stack([_flat(s) for s in states])
+      return _flat(fedavg_sum), _flat(scaffold_sum), _flat(cv_sum), new_states
     return _time_alternately(
         lambda scaffold: self._round(scaffold, x, c, states, data, n)[0],
         rounds)
@@ -449,22 +444,32 @@ class FactoredFloor:
   def run(self, workload: Workload, factors, rounds: int, check_only: bool):
     """As `XlaFloor.run`; `factors` from `factor_states(workload)`."""
     import numpy as np  # pylint: disable=g-import-not-at-top
-    tf = self._tf
-    tensors = lambda flat: [tf.constant(t) for t in split(flat)]
-    x, c = tensors(workload.x), tensors(workload.c)
-    data = [(tf.constant(workload.images[i]), tf.constant(workload.labels[i]))
-            for i in range(workload.clients)]
-    n = tf.constant(float(workload.steps * workload.batch))
+    x, c, data, n = _tf_inputs(workload)
     states = list(factors)
-    flat = lambda ts: np.concatenate([t.numpy().ravel() for t in ts])
     if check_only:
       fedavg_sum, _ = self._round(False, x, c, None, data, n)
       scaffold_sum, cv_sum = self._round(True, x, c, states, data, n)
-      return (flat(fedavg_sum), flat(scaffold_sum), flat(cv_sum),
+      return (_flat(fedavg_sum), _flat(scaffold_sum), _flat(cv_sum),
               np.stack([self._dense(s) for s in states]))
     return _time_alternately(
         lambda scaffold: self._round(scaffold, x, c, states, data, n)[0],
         rounds)
+
+
+def _tf_inputs(workload: Workload):
+  """x and c as the model's tensors, each client's (images, labels), and
+  n, the examples a client processes."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  x, c = ([tf.constant(t) for t in split(v)] for v in (workload.x, workload.c))
+  data = [(tf.constant(workload.images[i]), tf.constant(workload.labels[i]))
+          for i in range(workload.clients)]
+  return x, c, data, tf.constant(float(workload.steps * workload.batch))
+
+
+def _flat(tensors):
+  """Tensors as one flat NumPy vector."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return np.concatenate([t.numpy().ravel() for t in tensors])
 
 
 def _time_alternately(round_fn, rounds: int) -> tuple[float, float]:
@@ -479,13 +484,6 @@ def _time_alternately(round_fn, rounds: int) -> tuple[float, float]:
         seconds[scaffold].append(time.perf_counter() - started)
   median = lambda v: sorted(v)[len(v) // 2]
   return median(seconds[False]), median(seconds[True])
-
-
-def _size(shape) -> int:
-  size = 1
-  for dim in shape:
-    size *= dim
-  return size
 
 
 if __name__ == '__main__':

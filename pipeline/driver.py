@@ -603,6 +603,11 @@ def _store_locked(definition: round_lib.RoundDefinition,
     yield
 
 
+def _client_versions(keeper: Optional[ClientStateKeeper]) -> np.ndarray:
+  """What a checkpoint holds as its client-state index (none without)."""
+  return keeper.index.versions if keeper else np.zeros([0], np.int64)
+
+
 def _checkpoint_on_interrupt(checkpoints: CheckpointManager,
                              keeper: Optional[ClientStateKeeper],
                              round_num: int, server_state) -> None:
@@ -612,8 +617,7 @@ def _checkpoint_on_interrupt(checkpoints: CheckpointManager,
   start, which removes them (its round is after the checkpoint)."""
   if checkpoints.latest_round() == round_num:
     return
-  checkpoints.save(round_num, server_state,
-                   keeper.index.versions if keeper else np.zeros([0], np.int64))
+  checkpoints.save(round_num, server_state, _client_versions(keeper))
   if keeper:
     keeper.checkpointed(round_num)
   logging.info('Interrupted: checkpointed round %d', round_num)
@@ -663,8 +667,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
       mark_store_directory(config.state_dir, run_dir)
       keeper.start(0, None)
     run_directory.finish_resume(run_dir, resume)
-    checkpoints.save(0, server_state, keeper.index.versions if keeper else
-                     np.zeros([0], np.int64))
+    checkpoints.save(0, server_state, _client_versions(keeper))
   else:
     loaded = checkpoints.load(start_round, structure(start_round))
     server_state = loaded['server_state']
@@ -744,9 +747,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
         interrupts.run_coroutine(tensorboard.release(row, round_num))
         completed = (round_num, server_state)
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
-        checkpoints.save(round_num, server_state,
-                         keeper.index.versions if keeper else
-                         np.zeros([0], np.int64))
+        checkpoints.save(round_num, server_state, _client_versions(keeper))
         if keeper:
           keeper.checkpointed(round_num)
       progress.update(1)
