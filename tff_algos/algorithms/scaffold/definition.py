@@ -25,6 +25,7 @@ import tensorflow_federated as tff
 from tff_algos.algorithms import keras_model
 from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms import settings as settings_lib
+from tff_algos.algorithms.scaffold import factored
 from tff_algos.algorithms.scaffold import math
 
 
@@ -37,6 +38,10 @@ class ScaffoldSettings(settings_lib.SgdClientSettings):
       'or 2 (from the local steps).', math.OPTIONS)
   drift_diversity: bool = settings_lib.setting(
       False, 'Log drift diversity per layer ([FedPVR] Definition 1).')
+  factored_control_variates: bool = settings_lib.setting(
+      True, 'Keep a Dense kernel\'s c_i as the factors A^T E of its mean '
+      'gradient where that is exact and smaller (option 2 with '
+      '--client_steps; docs/scaffold.md); false: every c_i dense.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +85,26 @@ def _mask(settings, variable_names) -> tuple[bool, ...]:
 
 
 def definition(name: str, model_fn: keras_model.ModelFn, settings,
-               num_train_clients: int) -> round_lib.RoundDefinition:
-  """The SCAFFOLD (ScaffoldSettings) or FedPVR (FedPvrSettings) round."""
+               num_train_clients: int,
+               client_steps_and_batch: tuple[Optional[int], int] = (None, 0)
+               ) -> round_lib.RoundDefinition:
+  """The SCAFFOLD (ScaffoldSettings) or FedPVR (FedPvrSettings) round.
+
+  `client_steps_and_batch`: (K, B) with --client_steps, else (None, B);
+  factored control variates need K.
+  """
   if num_train_clients < 1:
     raise ValueError('num_train_clients must be >= 1')
   info = keras_model.model_info(model_fn)
   mask = _mask(settings, info.variable_names)
   layer_of_variable = math.variable_layers(info.variable_names)
   cv_specs = math.masked_specs(info.trainable_specs, mask)
+  kernels = ()
+  if (settings.factored_control_variates and
+      settings.scaffold_option == math.OPTION_FROM_LOCAL_STEPS):
+    kernels = factored.plan(model_fn, mask, *client_steps_and_batch)
+  masked_indices = [i for i, m in enumerate(mask) if m]
+  factored_at = {masked_indices.index(k.variable_index): k for k in kernels}
   server_optimizer = settings_lib.optimizer(settings.server_optimizer,
                                             settings.server_learning_rate)
   client_optimizer = settings_lib.optimizer(
@@ -127,9 +144,19 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
         global_model_weights=weights, server_optimizer_state=optimizer_state,
         control_variate=control_variate), metrics
 
+  fields = keras_model.client_fields(model_fn, info)
+  if kernels:
+    def client_context():
+      model = model_fn()
+      factored.install(model, kernels)
+      return model
+    fields['client_context'] = client_context
+
   def initial_client_state():
-    return collections.OrderedDict(
-        control_variate=math.zeros_like_specs(cv_specs))
+    return collections.OrderedDict(control_variate=[
+        factored_at[p].zeros() if p in factored_at else tf.zeros(s.shape,
+                                                                 s.dtype)
+        for p, s in enumerate(cv_specs)])
 
   return round_lib.RoundDefinition(
       name=name, settings=settings,
@@ -137,17 +164,26 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
       client_work=math.build_client_work(
           client_optimizer, settings.client_learning_rate, mask,
           settings.scaffold_option, uniform, info.trainable_specs,
-          layer_of_variable if settings.drift_diversity else None),
+          layer_of_variable if settings.drift_diversity else None,
+          kernels),
       server_update=server_update, initial_client_state=initial_client_state,
-      **keras_model.client_fields(model_fn, info))
+      **fields)
 
 
 def scaffold(task, settings: ScaffoldSettings) -> round_lib.RoundDefinition:
   """SCAFFOLD ([SCAFFOLD] Alg. 1): control variates on every variable."""
   return definition('scaffold', task.model_fn, settings,
-                    task.num_train_clients)
+                    task.num_train_clients, _client_steps_and_batch(task))
 
 
 def fedpvr(task, settings: FedPvrSettings) -> round_lib.RoundDefinition:
   """FedPVR ([FedPVR] Alg. I): control variates on the last layers."""
-  return definition('fedpvr', task.model_fn, settings, task.num_train_clients)
+  return definition('fedpvr', task.model_fn, settings, task.num_train_clients,
+                    _client_steps_and_batch(task))
+
+
+def _client_steps_and_batch(task) -> tuple[Optional[int], int]:
+  config = getattr(task, 'data_config', None)
+  if config is None:
+    return None, 0
+  return config.client_steps, config.client_batch_size

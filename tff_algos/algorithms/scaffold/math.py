@@ -21,6 +21,7 @@ import tensorflow_federated as tff
 from tff_algos.algorithms import non_finite
 from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms import sgd_step
+from tff_algos.algorithms.scaffold import factored
 
 ModelWeights = tff.learning.models.ModelWeights
 
@@ -109,7 +110,9 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
                       option: int,
                       uniform_weighting: bool,
                       trainable_specs: Sequence[tf.TensorSpec],
-                      layer_of_variable: Optional[Sequence[int]] = None
+                      layer_of_variable: Optional[Sequence[int]] = None,
+                      factored_kernels: Sequence[
+                          factored.FactoredKernel] = ()
                       ) -> round_lib.ClientWork:
   """One client's round, as steps over its batches (`round.ClientWork`).
 
@@ -131,11 +134,22 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   one whose y - x or c_i+ is not finite is dropped (weight 0, c_i kept). With
   `layer_of_variable`, it also measures ||y - x||^2 per layer and y - x
   (drift diversity).
+
+  With `factored_kernels` (Option II only) those kernels' c_i are kept as
+  factors (`factored`): c_i and c_i+ in the state are (A, E) pairs, the
+  steps record each batch's rows of them.
   """
   mask = tuple(mask)
   option = int(option)
   if option not in OPTIONS:
     raise ValueError(f'option={option} is unknown; allowed: 1, 2')
+  kernels = tuple(factored_kernels)
+  if kernels and option != OPTION_FROM_LOCAL_STEPS:
+    raise ValueError('factored control variates need option 2')
+  masked_indices = [i for i, m in enumerate(mask) if m]
+  # Position in the control-variate list -> index in `kernels`.
+  factored_at = {masked_indices.index(k.variable_index): j
+                 for j, k in enumerate(kernels)}
   learning_rate = float(learning_rate)
   has_unmasked = not all(mask)
   masked_specs_, unmasked_specs = split_masked(trainable_specs, mask)
@@ -153,7 +167,10 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         # c_i - c, the same at every step: computed once per client, and
         # the first term of c_i+ (Option II).
         client_minus_server=tuple(ci - c for ci, c in zip(
-            client_state['control_variate'], message['control_variate'])))
+            _dense(client_state['control_variate'], factored_at),
+            message['control_variate'])))
+    if kernels:
+      carry['factor_rows'] = tuple(k.step_zeros() for k in kernels)
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       carry['gradient_sums'] = tuple(zeros_like_specs(masked_specs_))
       carry['gradient_examples'] = tf.constant(0.0)
@@ -189,9 +206,10 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     del message, client_state
     trainable = list(ModelWeights.from_model(model).trainable)
     masked_vars, unmasked_vars = split_masked(trainable, mask)
-    with tf.GradientTape() as tape:
-      output = model.forward_pass(batch, training=True)
-    gradients = tape.gradient(output.loss, trainable)
+    # Each factored kernel's inputs and the gradient at its pre-activations
+    # come from the same backward pass as the variables' gradients.
+    output, gradients, step_rows = factored.forward_and_gradients(
+        model, batch, trainable)
     masked_grads, unmasked_grads = split_masked(gradients, mask)
     sgd_step.corrected_sgd_step(masked_vars, masked_grads, learning_rate,
                                 carry['client_minus_server'])
@@ -202,10 +220,15 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
       for variable, value in zip(unmasked_vars, updated):
         variable.assign(value)
     carry = collections.OrderedDict(carry)
-    carry['num_steps'] = carry['num_steps'] + 1
+    num_steps = carry['num_steps']
+    carry['num_steps'] = num_steps + 1
     carry['num_examples'] = carry['num_examples'] + tf.cast(
         output.num_examples, tf.int64)
     carry['optimizer_state'] = optimizer_state
+    if kernels:
+      carry['factor_rows'] = tuple(
+          factored.add_step(all_rows, num_steps, rows)
+          for all_rows, rows in zip(carry['factor_rows'], step_rows))
     return carry
 
   def finish(model, message, client_state, carry):
@@ -221,16 +244,24 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     else:
       steps_times_lr = tf.cast(num_steps, tf.float32) * learning_rate
       masked_delta, _ = split_masked(model_delta, mask)
-      # c_i+ = c_i - c + (x - y) / (K_i * eta); x - y = -delta.
+      def new_control_variate(position, client_minus_server, delta):
+        if position in factored_at:  # The mean gradient A^T (D / K_i).
+          return factored.state(carry['factor_rows'][factored_at[position]],
+                                num_steps)
+        # c_i+ = c_i - c + (x - y) / (K_i * eta); x - y = -delta.
+        return client_minus_server - delta / steps_times_lr
+
       new_cv = _unless_untrained(
           trained,
-          lambda: [cmc - d / steps_times_lr for cmc, d in zip(
-              carry['client_minus_server'], masked_delta)],
+          lambda: [new_control_variate(p, cmc, d) for p, (cmc, d) in
+                   enumerate(zip(carry['client_minus_server'],
+                                 masked_delta))],
           client_cv)
     # A client whose update or c_i+ is not finite (it diverged) is dropped
     # as FedAvg drops it (`non_finite`), and keeps its c_i.
     (model_delta, new_cv), dropped = non_finite.zero_all_if_any_non_finite(
         (model_delta, new_cv))
+    updated = tf.logical_and(trained, tf.equal(dropped, 0))
     new_cv = _unless_untrained(tf.equal(dropped, 0), lambda: list(new_cv),
                               client_cv)
     weight = tf.cond(
@@ -246,7 +277,8 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     return round_lib.ClientResult(
         model_update=model_delta, weight=weight,
         sums=collections.OrderedDict(control_variate_delta=[
-            n - o for n, o in zip(new_cv, client_cv)]),
+            _control_variate_delta(updated, n, o, p in factored_at)
+            for p, (n, o) in enumerate(zip(new_cv, client_cv))]),
         measurements=measurements,
         metrics=model.report_local_unfinalized_metrics(),
         state=collections.OrderedDict(control_variate=new_cv))
@@ -258,6 +290,23 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
                   lambda model, message, client_state, carry: carry),
         finish=finish)
   return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish)
+
+
+def _dense(control_variate, factored_at) -> list[tf.Tensor]:
+  """Every entry of a client's control variate as a dense tensor."""
+  return [factored.dense(entry) if p in factored_at else entry
+          for p, entry in enumerate(control_variate)]
+
+
+def _control_variate_delta(updated: tf.Tensor, new, old, is_factored: bool
+                           ) -> tf.Tensor:
+  """c_i+ - c_i; exactly zero for a client that keeps c_i (a product of
+  stacked factors would not cancel exactly)."""
+  if not is_factored:
+    return new - old
+  shape = [old[0].shape[1], old[1].shape[1]]
+  return tf.cond(updated, lambda: factored.difference(new, old),
+                 lambda: tf.zeros(shape, old[0].dtype))
 
 
 def _unless_untrained(trained: tf.Tensor, new_fn, old: Sequence[tf.Tensor]

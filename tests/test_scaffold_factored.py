@@ -1,0 +1,149 @@
+"""SCAFFOLD with a Dense kernel's c_i kept as factors, against dense c_i.
+
+The dense path is checked against hand computation (test_scaffold_math); the
+factored one must compute the same rounds to float32 rounding: model, c, and
+every stored c_i (A^T E). The task: multi-output linear regression, 4
+clients of unequal sizes with --client_steps K = 3 batches of at most 2, so
+a kernel of 12 x 16 is smaller as K * B = 6 rows of factors
+(6 * 28 < 192). The clients take K_i = 2, 3, 1 and 3 batches; the client
+of 1 example and the last batch of the client of 5 have one row (rows of
+zeros fill the rest).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tasks import base
+from tff_algos.algorithms.scaffold import factored
+
+import scaffold_testlib as lib
+
+INPUTS, UNITS = 12, 16
+CLIENT_SIZES = (4, 6, 1, 5)
+STEPS, BATCH = 3, 2
+
+
+def _arrays():
+  rng = np.random.default_rng(7)
+  xs = [rng.normal(size=(n, INPUTS)).astype(np.float32)
+        for n in CLIENT_SIZES]
+  ys = [(x @ rng.normal(size=(INPUTS, UNITS)) + rng.normal(size=UNITS)
+         ).astype(np.float32) for x in xs]
+  return xs, ys
+
+
+def build_task(hidden_twice: bool = False) -> base.Task:
+  xs, ys = _arrays()
+  offsets = np.cumsum((0,) + CLIENT_SIZES[:-1]).astype(np.int64)
+  all_x, all_y = np.concatenate(xs), np.concatenate(ys)
+
+  def client_dataset(client_id, seed):
+    del seed
+    k = tf.strings.to_number(client_id, tf.int64)
+    start = tf.gather(tf.constant(offsets), k)
+    size = tf.gather(tf.constant(CLIENT_SIZES, tf.int64), k)
+    x = tf.slice(tf.constant(all_x), [start, 0], [size, INPUTS])
+    y = tf.slice(tf.constant(all_y), [start, 0], [size, UNITS])
+    # At most K batches; fewer, and a smaller last one, for small clients
+    # (base.client_batches repeats the data to K full batches; a task may
+    # not).
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).take(
+        STEPS)
+
+  def keras_model():
+    initializer = tf.keras.initializers.GlorotUniform(seed=3)
+    inputs = tf.keras.Input(shape=(INPUTS,))
+    layer = tf.keras.layers.Dense(UNITS, kernel_initializer=initializer,
+                                  bias_initializer='ones')
+    outputs = layer(inputs)
+    if hidden_twice:  # The kernel used twice: not a single product.
+      outputs = layer(tf.keras.layers.Dense(INPUTS)(outputs))
+    return tf.keras.Model(inputs, outputs)
+
+  return base.Task(
+      name='linear_multi',
+      train_client_ids=tuple(str(k) for k in range(len(CLIENT_SIZES))),
+      client_dataset_computation=base.client_dataset_computation(
+          client_dataset),
+      keras_model_fn=keras_model,
+      loss_fn=tf.keras.losses.MeanSquaredError,
+      metrics_fn=lambda: [],
+      batch_spec=(tf.TensorSpec([None, INPUTS], tf.float32),
+                  tf.TensorSpec([None, UNITS], tf.float32)),
+      eval_datasets_fn=lambda: {'': tf.data.Dataset.from_tensor_slices(
+          (all_x, all_y)).batch(100)},
+      serving=base.ServingSpec(
+          'x', tf.TensorSpec([None, INPUTS], tf.float32),
+          lambda x: x, lambda y: {'y': y}),
+      data_config=base.DataConfig(client_batch_size=BATCH,
+                                  client_steps=STEPS))
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  return lib.make_runner(build_task(), str(tmp_path_factory.mktemp('factored')))
+
+
+def _dense_cv(entries):
+  return [np.asarray(factored.dense(e)) if isinstance(e, (tuple, list))
+          else np.asarray(e) for e in entries]
+
+
+def test_the_plan_factors_only_the_kernel_that_is_smaller():
+  task = build_task()
+  kernels = factored.plan(task.model_fn, (True, True), STEPS, BATCH)
+  assert kernels == (factored.FactoredKernel(0, STEPS, BATCH, INPUTS, UNITS),)
+  # Unbounded steps, a masked-out kernel, too many rows: dense.
+  assert factored.plan(task.model_fn, (True, True), None, BATCH) == ()
+  assert factored.plan(task.model_fn, (False, True), STEPS, BATCH) == ()
+  assert factored.plan(task.model_fn, (True, True), 4, BATCH) == ()
+
+
+@pytest.mark.parametrize('runtime', ['tff', 'native'])
+def test_factored_control_variates_compute_the_dense_rounds(run, runtime):
+  rounds = 3
+  dense = run(f'dense_{runtime}', 'scaffold', rounds=rounds, runtime=runtime,
+              factored_control_variates=False)
+  factors = run(f'factored_{runtime}', 'scaffold', rounds=rounds,
+                runtime=runtime)
+  tolerance = dict(rtol=1e-5, atol=1e-6)
+  for a, b in zip(lib.weights(factors), lib.weights(dense), strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+  np.testing.assert_allclose(factors.train_losses, dense.train_losses,
+                             **tolerance)
+  for a, b in zip(factors.result.server_state['control_variate'],
+                  dense.result.server_state['control_variate'], strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+  sampled = 0
+  for k in range(len(CLIENT_SIZES)):
+    stored = factors.client_cvs[k]
+    # The kernel's c_i is stored as factors, the bias's dense.
+    assert [np.shape(e[0]) for e in stored[:1]] == [(STEPS * BATCH, INPUTS)]
+    want = dense.client_cvs[k]
+    for a, b in zip(_dense_cv(stored), want, strict=True):
+      np.testing.assert_allclose(a, b, **tolerance)
+    sampled += bool(np.any(want[0]))
+  # Control variates are in play, for more than one client.
+  assert sampled >= 2
+  assert np.abs(dense.result.server_state['control_variate'][0]).max() > 0.05
+
+
+def test_factored_runs_on_both_runtimes_agree(run):
+  # As every algorithm's runtimes (test_native_runtime): to the last bits
+  # their graph optimizations may round differently.
+  tff_run = run('factored_tff', 'scaffold', rounds=3, runtime='tff')
+  native = run('factored_native', 'scaffold', rounds=3, runtime='native')
+  tolerance = dict(rtol=1e-5, atol=1e-6)
+  for a, b in zip(lib.weights(tff_run), lib.weights(native), strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+  for k in range(len(CLIENT_SIZES)):
+    for a, b in zip(tf.nest.flatten(tff_run.client_cvs[k]),
+                    tf.nest.flatten(native.client_cvs[k]), strict=True):
+      np.testing.assert_allclose(a, b, **tolerance)
+
+
+def test_a_kernel_used_twice_stays_dense():
+  task = build_task(hidden_twice=True)
+  kernels = factored.plan(task.model_fn, (True,) * 4, STEPS, BATCH)
+  assert all(k.variable_index != 0 for k in kernels)

@@ -1,0 +1,250 @@
+"""Control variates of Dense kernels kept as factors (SCAFFOLD Option II).
+
+With Option II and plain SGD on the corrected variables, a client's new
+control variate is the mean of the K gradients it took:
+y = x - eta * sum_k (g_k - c_i + c), so
+c_i+ = c_i - c + (x - y) / (K eta) = (1/K) sum_k g_k ([SCAFFOLD] Alg. 1
+line 12). A Dense layer's kernel gradient on a batch is A_k^T D_k: the b_k
+inputs the layer saw times the loss's gradient at its pre-activations. So a
+kernel's c_i+ is exactly A^T E, with A the R = sum_k b_k input rows of the
+client's steps and E their pre-activation gradients divided by K:
+R * (inputs + units) numbers where the kernel has inputs * units. With
+--client_steps K of batch B, R <= K * B; while that is below
+inputs * units / (inputs + units) the factors are the smaller form, and the
+client's state file, its reads, writes and checksums shrink with them (the
+benchmark's first layer: 10 x 21232 floats against 21168 x 64, 0.85 MB
+against 5.4 MB). The client takes its steps on dense weights as before; c_i
+becomes dense once a round, for the corrected steps (one matrix product),
+and c_i+ - c_i, which the server sums, is one product of the stacked
+factors.
+
+A kernel is kept as factors only where that is exact: a plain
+`tf.keras.layers.Dense` of float32 on inputs of rank 2, whose kernel has a
+control variate, in a Keras model without regularization losses (which
+would add their own gradient at the kernel), with Option II and
+--client_steps. A layer called twice in one forward pass is refused when
+the client's computation is built. In floats, A^T E rounds differently
+from c_i - c + (x - y) / (K eta); `--factored_control_variates=false`
+keeps every c_i dense (docs/scaffold.md).
+"""
+
+import dataclasses
+import weakref
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from tff_algos import tff_internals
+
+
+@dataclasses.dataclass(frozen=True)
+class FactoredKernel:
+  """A kernel whose control variate is kept as factors (A [rows, inputs],
+  E [rows, units]), rows = steps * batch: batch rows a step, zero rows for
+  a smaller batch."""
+  variable_index: int  # In the model's trainable variables.
+  steps: int
+  batch: int
+  inputs: int
+  units: int
+
+  @property
+  def rows(self) -> int:
+    return self.steps * self.batch
+
+  def specs(self) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+    return (tf.TensorSpec([self.rows, self.inputs], tf.float32),
+            tf.TensorSpec([self.rows, self.units], tf.float32))
+
+  def zeros(self) -> tuple[tf.Tensor, tf.Tensor]:
+    return tuple(tf.zeros(s.shape, s.dtype) for s in self.specs())
+
+  def step_zeros(self) -> tuple[tf.Tensor, tf.Tensor]:
+    """A round's rows, step by step."""
+    return (tf.zeros([self.steps, self.batch, self.inputs]),
+            tf.zeros([self.steps, self.batch, self.units]))
+
+
+def _dense_layers(keras_model) -> list:
+  """Plain Dense layers of the model (a subclass may compute otherwise)."""
+  layers, seen = [], set()
+  for module in [keras_model] + list(keras_model.submodules):
+    if type(module) is tf.keras.layers.Dense and id(module) not in seen:  # pylint: disable=unidiomatic-typecheck
+      seen.add(id(module))
+      layers.append(module)
+  return layers
+
+
+def _kernel_layers(model) -> dict[int, tf.keras.layers.Dense]:
+  """Trainable-variable index -> the plain Dense layer owning that kernel,
+  for a `from_keras_model` model without regularization losses."""
+  keras_model = tff_internals.keras_model_of(model)
+  if keras_model is None or keras_model.losses:
+    return {}
+  index = {v.ref(): i for i, v in enumerate(model.trainable_variables)}
+  return {index[layer.kernel.ref()]: layer
+          for layer in _dense_layers(keras_model)
+          if layer.kernel.ref() in index}
+
+
+def _input_rank_of_single_call(layer) -> Optional[int]:
+  """The rank of the layer's input when the model calls it once; None when
+  it calls it more often (its kernel's gradient is then a sum of products)
+  or the model is not a graph of layers (the calls are unknown)."""
+  try:
+    if len(layer.inbound_nodes) != 1:
+      return None
+    return len(layer.input_shape)
+  except (AttributeError, RuntimeError, TypeError):
+    return None
+
+
+def plan(model_fn, mask: Sequence[bool], steps: Optional[int], batch: int
+         ) -> tuple[FactoredKernel, ...]:
+  """The masked kernels whose control variates are smaller as factors of
+  `steps` batches of at most `batch` rows (steps None: unbounded, none)."""
+  if steps is None:
+    return ()
+  with tf.Graph().as_default():
+    layers = _kernel_layers(model_fn())
+    kernels = []
+    for i, layer in sorted(layers.items()):
+      inputs, units = (int(d) for d in layer.kernel.shape)
+      if not (mask[i] and layer.kernel_regularizer is None
+              and layer.dtype_policy.compute_dtype == 'float32'
+              and layer.kernel.dtype == tf.float32
+              and _input_rank_of_single_call(layer) == 2):
+        continue
+      if steps * batch * (inputs + units) < inputs * units:
+        kernels.append(FactoredKernel(i, steps, batch, inputs, units))
+  return tuple(kernels)
+
+
+class _Capture:
+  """Where one Dense layer's call leaves its inputs, and a zero added to
+  its pre-activations whose gradient is the loss's gradient there.
+
+  Variables, not tensors: tff.learning's forward pass runs the Keras model
+  inside a tf.function of its own, whose tensors the client's step cannot
+  reach; a variable's value and gradient cross that boundary.
+  """
+
+  def __init__(self, layer, kernel: FactoredKernel):
+    self.layer = layer
+    self.batch = kernel.batch
+    zeros = lambda *shape: tf.Variable(tf.zeros(shape), trainable=False)
+    self.inputs = zeros(kernel.batch, kernel.inputs)
+    self.probe = zeros(kernel.batch, kernel.units)
+    self.calls = tf.Variable(0, trainable=False)
+
+  def call(self, inputs, *args, **kwargs):
+    """Dense.call for float32 inputs of rank 2 (its ops, in its order),
+    plus the probe."""
+    del args, kwargs  # Dense.call takes none.
+    layer = self.layer
+    inputs = tf.convert_to_tensor(inputs)
+    if inputs.dtype != tf.float32 or inputs.shape.rank != 2:
+      raise ValueError(
+          f'Dense layer {layer.name} got inputs {inputs.dtype.name}'
+          f'{inputs.shape}, not float32 of rank 2; pass '
+          '--factored_control_variates=false')
+    rows = tf.shape(inputs)[0]
+    fits = tf.debugging.assert_less_equal(
+        rows, self.batch, message=f'Dense layer {layer.name} got a batch '
+        f'of more than --client_batch_size={self.batch} rows; pass '
+        '--factored_control_variates=false')
+    with tf.control_dependencies([fits]):
+      recorded = [
+          self.inputs.assign(tf.pad(inputs, [[0, self.batch - rows], [0, 0]])),
+          self.calls.assign_add(1)]
+    outputs = tf.matmul(a=inputs, b=layer.kernel)
+    if layer.use_bias:
+      outputs = tf.nn.bias_add(outputs, layer.bias)
+    with tf.control_dependencies(recorded):
+      outputs = outputs + self.probe[:rows]
+    if layer.activation is not None:
+      outputs = layer.activation(outputs)
+    return outputs
+
+
+_captures = weakref.WeakKeyDictionary()
+
+
+def install(model, kernels: Sequence[FactoredKernel]) -> None:
+  """Makes `kernels`' layers of this client model record their calls.
+
+  Called where the client's model is built (its variables are made there,
+  outside any loop)."""
+  if not kernels:
+    return
+  layers = _kernel_layers(model)
+  found = []
+  for kernel in kernels:
+    capture = _Capture(layers[kernel.variable_index], kernel)
+    capture.layer.call = capture.call
+    found.append(capture)
+  _captures[model] = found
+
+
+def captures(model) -> list[_Capture]:
+  return _captures.get(model, [])
+
+
+def forward_and_gradients(model, batch, variables):
+  """The training forward pass of `batch`, the gradients of its loss at
+  `variables` and, per installed capture, the step's (inputs,
+  pre-activation gradients), [batch, .] each with zero rows past the batch.
+  Checks that each captured layer ran once."""
+  found = captures(model)
+  for capture in found:
+    capture.calls.assign(0)
+  with tf.GradientTape() as tape:
+    for capture in found:  # Not trainable: the tape would not watch it.
+      tape.watch(capture.probe)
+    output = model.forward_pass(batch, training=True)
+  gradients = tape.gradient(output.loss,
+                            list(variables) + [c.probe for c in found])
+  rows = []
+  for capture, probe_gradient in zip(found, gradients[len(variables):]):
+    once = tf.debugging.assert_equal(
+        capture.calls, 1, message=f'Dense layer {capture.layer.name} ran '
+        'other than once in a forward pass; pass '
+        '--factored_control_variates=false')
+    with tf.control_dependencies([once]):
+      inputs = tf.identity(capture.inputs.read_value())
+    if probe_gradient is None:  # The layer does not reach the loss.
+      probe_gradient = tf.zeros_like(capture.probe)
+    rows.append((inputs, tf.convert_to_tensor(probe_gradient)))
+  return output, gradients[:len(variables)], rows
+
+
+def dense(factors: tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
+  """A^T E."""
+  inputs, scaled_gradients = factors
+  return tf.matmul(inputs, scaled_gradients, transpose_a=True)
+
+
+def difference(new, old) -> tf.Tensor:
+  """A+^T E+ - A^T E as one product of the stacked factors."""
+  return tf.matmul(tf.concat([new[0], old[0]], 0),
+                   tf.concat([new[1], -old[1]], 0), transpose_a=True)
+
+
+def add_step(step_rows, step: tf.Tensor, rows):
+  """Puts a step's (inputs, gradients) at position `step` of the round's."""
+  steps = step_rows[0].shape[0]
+  fits = tf.debugging.assert_less(
+      tf.cast(step, tf.int64), tf.constant(steps, tf.int64), message=f'a client took more than {steps} steps; '
+      'factored control variates need --client_steps')
+  with tf.control_dependencies([fits]):
+    index = tf.reshape(tf.cast(step, tf.int32), [1, 1])
+  return tuple(tf.tensor_scatter_nd_update(all_rows, index, row[None])
+               for all_rows, row in zip(step_rows, rows))
+
+
+def state(step_rows, num_steps: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+  """(A, D / K_i): c_i+ = A^T (D / K_i), the mean of the K_i gradients."""
+  inputs, gradients = step_rows
+  return (tf.reshape(inputs, [-1, inputs.shape[-1]]),
+          tf.reshape(gradients, [-1, gradients.shape[-1]]) /
+          tf.cast(num_steps, tf.float32))
