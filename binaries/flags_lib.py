@@ -420,12 +420,21 @@ def all_values() -> dict:
   return {f.name: f.value for f in FLAGS.get_flags_for_module(__name__)}
 
 
+# What runs started before a flag existed computed, where that is not the
+# flag's default: a resume compares a run whose hparams.json lacks the flag
+# with it. (SCAFFOLD/FedPVR kept every c_i dense; their stored states are in
+# that form.)
+VALUES_BEFORE_FLAG = {'factored_control_variates': False}
+
+
 def given_flag_defaults() -> dict:
-  """{flag: its default} of the flags given on this command line: what a
-  resume compares them with when the run's hparams.json lacks them (a
-  flag not given takes what this code computes, as the run's did)."""
-  return {f.name: f.default for f in FLAGS.get_flags_for_module(__name__)
-          if f.present}
+  """{flag: its default} of the flags given on this command line, and
+  `VALUES_BEFORE_FLAG`: what a resume compares them with when the run's
+  hparams.json lacks them (a flag not given otherwise takes what this code
+  computes, as the run's did)."""
+  given = {f.name: f.default for f in FLAGS.get_flags_for_module(__name__)
+           if f.present}
+  return {**given, **VALUES_BEFORE_FLAG}
 
 
 # The TFF runtime's execution settings; the native runtime starts no worker.
@@ -641,6 +650,8 @@ def fixed_on_resume() -> dict[str, str]:
   fixed = dict.fromkeys(('aggregator',) + AGGREGATOR_FLAGS, why)
   if FLAGS.aggregator == factories.DP:
     fixed['clients_per_round'] = why
+  fixed['factored_control_variates'] = (
+      'the stored client states hold each c_i in the form the run chose')
   return fixed
 
 

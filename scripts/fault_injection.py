@@ -70,6 +70,8 @@ _DIGITS = ['--task=digits', '--num_clients=20', '--clients_per_round=5',
            '--total_rounds=10']
 CONFIGS.update({
     'fedpvr': _DIGITS + ['--algorithm=fedpvr'],
+    # The MLP's first kernel keeps its c_i as factors (docs/scaffold.md).
+    'scaffold_factored': _DIGITS + ['--algorithm=scaffold', '--model=mlp'],
     'fedres_naive': [f if f != '--algorithm=fedres_avg'
                      else '--algorithm=fedres_naive'
                      for f in CONFIGS['fedres_avg']],

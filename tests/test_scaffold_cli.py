@@ -26,6 +26,7 @@ experiments/scaffold_digits.py). Checked:
 """
 
 import csv
+import json
 import os
 
 from absl import flags
@@ -187,3 +188,26 @@ def test_bad_flags_end_in_one_usage_error(root, extra, flag):
   with pytest.raises(UsageError, match=flag):
     _run_cli(root, 'bad_flags', '--total_rounds=1', *extra)
   assert not os.path.exists(os.path.join(root, 'bad_flags', 'metrics.csv'))
+
+
+def test_a_run_from_before_factored_control_variates_resumes_dense(root):
+  # The MLP's first kernel is factored by default; a run whose hparams.json
+  # predates the flag stored it dense, so resuming it with the factored
+  # form is refused, even with --allow_flag_changes, and =false resumes it.
+  args = ('--algorithm=scaffold', '--model=mlp', '--client_steps=2')
+  name = 'scaffold_before_factors'
+  run_dir = _run_cli(root, name, *args, '--factored_control_variates=false',
+                     '--total_rounds=1')
+  path = os.path.join(run_dir, 'hparams.json')
+  with open(path) as f:
+    hparams = json.load(f)
+  del hparams['factored_control_variates']
+  with open(path, 'w') as f:
+    json.dump(hparams, f)
+  for extra in ((), ('--allow_flag_changes',)):
+    with pytest.raises(UsageError, match='--factored_control_variates '
+                       r'\(run: not in hparams.json, now: true\)'):
+      _run_cli(root, name, *args, *extra, '--total_rounds=2')
+  _run_cli(root, name, *args, '--factored_control_variates=false',
+           '--total_rounds=2')
+  assert len(_column(run_dir, 'train/loss')) == 2

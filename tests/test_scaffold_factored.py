@@ -10,12 +10,18 @@ of 1 example and the last batch of the client of 5 have one row (rows of
 zeros fill the rest).
 """
 
+from typing import Optional
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tasks import base
+from tff_algos.algorithms import registry
+from tff_algos.algorithms.scaffold import definition as scaffold
 from tff_algos.algorithms.scaffold import factored
+
+from pipeline import driver
 
 import scaffold_testlib as lib
 
@@ -33,8 +39,12 @@ def _arrays():
   return xs, ys
 
 
-def build_task(hidden_twice: bool = False) -> base.Task:
+def build_task(hidden_twice: bool = False,
+               diverging_client: Optional[int] = None) -> base.Task:
   xs, ys = _arrays()
+  if diverging_client is not None:  # A NaN target: its update is NaN.
+    ys[diverging_client] = ys[diverging_client].copy()
+    ys[diverging_client][0, 0] = np.nan
   offsets = np.cumsum((0,) + CLIENT_SIZES[:-1]).astype(np.int64)
   all_x, all_y = np.concatenate(xs), np.concatenate(ys)
 
@@ -147,3 +157,52 @@ def test_a_kernel_used_twice_stays_dense():
   task = build_task(hidden_twice=True)
   kernels = factored.plan(task.model_fn, (True,) * 4, STEPS, BATCH)
   assert all(k.variable_index != 0 for k in kernels)
+
+
+def test_a_diverging_client_keeps_its_factors_and_adds_nothing(tmp_path):
+  diverging, rounds = 2, 3
+  sampled = [driver.plan_round(lib.SEED, r, len(CLIENT_SIZES),
+                               lib.CLIENTS_PER_ROUND).client_indices
+             for r in range(1, rounds + 1)]
+  assert any(diverging in s for s in sampled)
+  run = lib.make_runner(build_task(diverging_client=diverging),
+                        str(tmp_path))
+  dense = run('dense', 'scaffold', rounds=rounds,
+              factored_control_variates=False)
+  factors = run('factored', 'scaffold', rounds=rounds)
+  for a, b in zip(lib.weights(factors), lib.weights(dense), strict=True):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  for a, b in zip(factors.result.server_state['control_variate'],
+                  dense.result.server_state['control_variate'], strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # Never updated: the initial zero factors.
+  for entry in tf.nest.flatten(factors.client_cvs[diverging]):
+    np.testing.assert_array_equal(entry, np.zeros_like(entry))
+
+
+def test_a_resumed_factored_run_is_bit_identical(tmp_path):
+  task = build_task()
+  definition = registry.build('scaffold', task, scaffold.ScaffoldSettings(
+      client_learning_rate=lib.CLIENT_LR))
+
+  def train(name, rounds):
+    config = driver.RunConfig(
+        root_output_dir=str(tmp_path), experiment_name=name,
+        total_rounds=rounds, clients_per_round=lib.CLIENTS_PER_ROUND,
+        rounds_per_eval=4, rounds_per_checkpoint=2, seed=lib.SEED,
+        export=False, runtime='tff')
+    result = driver.train(definition, task, config)
+    states = driver.committed_client_states(definition, task,
+                                            config.run_dir)
+    return result, list(states.read(list(task.train_client_ids)))
+
+  train('resumed', 2)
+  resumed, resumed_states = train('resumed', 4)
+  straight, straight_states = train('straight', 4)
+  for a, b in zip(tf.nest.flatten(resumed.server_state),
+                  tf.nest.flatten(straight.server_state), strict=True):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(tf.nest.flatten(resumed_states),
+                  tf.nest.flatten(straight_states), strict=True):
+    np.testing.assert_array_equal(a, b)

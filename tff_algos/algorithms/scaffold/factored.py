@@ -13,19 +13,22 @@ R * (inputs + units) numbers where the kernel has inputs * units. With
 inputs * units / (inputs + units) the factors are the smaller form, and the
 client's state file, its reads, writes and checksums shrink with them (the
 benchmark's first layer: 10 x 21232 floats against 21168 x 64, 0.85 MB
-against 5.4 MB). The client takes its steps on dense weights as before; c_i
-becomes dense once a round, for the corrected steps (one matrix product),
-and c_i+ - c_i, which the server sums, is one product of the stacked
-factors.
+against 5.4 MB). The client steps on dense weights: each step's g - c_i is
+one product of stacked factors, [A_k; A]^T [D_k; -E], applied as one
+update, then c as a second (c_i - c is never formed, nor the kernel's
+gradient on its own); c_i+ - c_i, which the server sums, is one product
+too.
 
 A kernel is kept as factors only where that is exact: a plain
 `tf.keras.layers.Dense` of float32 on inputs of rank 2, whose kernel has a
 control variate, in a Keras model without regularization losses (which
 would add their own gradient at the kernel), with Option II and
---client_steps. A layer called twice in one forward pass is refused when
-the client's computation is built. In floats, A^T E rounds differently
-from c_i - c + (x - y) / (K eta); `--factored_control_variates=false`
-keeps every c_i dense (docs/scaffold.md).
+--client_steps, called once by a Keras graph model. A kernel that another
+layer reads would lose that use's gradient; that is not detected
+(docs/scaffold.md). Each step checks that the layer ran once, on at most B
+rows, within K steps. In floats, A^T E rounds differently from
+c_i - c + (x - y) / (K eta); `--factored_control_variates=false` keeps
+every c_i dense.
 """
 
 import dataclasses
@@ -59,10 +62,9 @@ class FactoredKernel:
   def zeros(self) -> tuple[tf.Tensor, tf.Tensor]:
     return tuple(tf.zeros(s.shape, s.dtype) for s in self.specs())
 
-  def step_zeros(self) -> tuple[tf.Tensor, tf.Tensor]:
-    """A round's rows, step by step."""
-    return (tf.zeros([self.steps, self.batch, self.inputs]),
-            tf.zeros([self.steps, self.batch, self.units]))
+  def step_gradients(self) -> tf.Tensor:
+    """A round's gradients at the pre-activations, step by step."""
+    return tf.zeros([self.steps, self.batch, self.units])
 
 
 def _dense_layers(keras_model) -> list:
@@ -121,9 +123,13 @@ def plan(model_fn, mask: Sequence[bool], steps: Optional[int], batch: int
 
 
 class _Capture:
-  """Where one Dense layer's call leaves its inputs, and a zero added to
-  its pre-activations whose gradient is the loss's gradient there.
+  """One factored kernel's layer in a client's model, recording its calls.
 
+  `inputs` holds 2R rows: the round's input rows [0, R), batch by batch at
+  the step's place (zero rows past a batch), then the A of the client's
+  c_i [R, 2R). A zero `probe` added to the layer's pre-activations has the
+  loss's gradient there as its gradient. So one product of `inputs` with
+  stacked gradients gives a step's g - c_i, and at the end c_i+ - c_i.
   Variables, not tensors: tff.learning's forward pass runs the Keras model
   inside a tf.function of its own, whose tensors the client's step cannot
   reach; a variable's value and gradient cross that boundary.
@@ -131,17 +137,18 @@ class _Capture:
 
   def __init__(self, layer, kernel: FactoredKernel):
     self.layer = layer
-    self.batch = kernel.batch
+    self.kernel = kernel
     zeros = lambda *shape: tf.Variable(tf.zeros(shape), trainable=False)
-    self.inputs = zeros(kernel.batch, kernel.inputs)
+    self.inputs = zeros(2 * kernel.rows, kernel.inputs)
     self.probe = zeros(kernel.batch, kernel.units)
+    self.step = tf.Variable(0, trainable=False)
     self.calls = tf.Variable(0, trainable=False)
 
   def call(self, inputs, *args, **kwargs):
     """Dense.call for float32 inputs of rank 2 (its ops, in its order),
     plus the probe."""
     del args, kwargs  # Dense.call takes none.
-    layer = self.layer
+    layer, batch = self.layer, self.kernel.batch
     inputs = tf.convert_to_tensor(inputs)
     if inputs.dtype != tf.float32 or inputs.shape.rank != 2:
       raise ValueError(
@@ -149,13 +156,21 @@ class _Capture:
           f'{inputs.shape}, not float32 of rank 2; pass '
           '--factored_control_variates=false')
     rows = tf.shape(inputs)[0]
-    fits = tf.debugging.assert_less_equal(
-        rows, self.batch, message=f'Dense layer {layer.name} got a batch '
-        f'of more than --client_batch_size={self.batch} rows; pass '
-        '--factored_control_variates=false')
-    with tf.control_dependencies([fits]):
+    fits = [
+        tf.debugging.assert_less_equal(
+            rows, batch, message=f'Dense layer {layer.name} got a batch of '
+            f'more than --client_batch_size={batch} rows; pass '
+            '--factored_control_variates=false'),
+        tf.debugging.assert_less(
+            self.step, self.kernel.steps, message='a client took more than '
+            f'--client_steps={self.kernel.steps} steps; pass '
+            '--factored_control_variates=false')]
+    with tf.control_dependencies(fits):
+      first = self.step * batch
       recorded = [
-          self.inputs.assign(tf.pad(inputs, [[0, self.batch - rows], [0, 0]])),
+          self.inputs.scatter_update(tf.IndexedSlices(
+              tf.pad(inputs, [[0, batch - rows], [0, 0]]),
+              tf.range(first, first + batch))),
           self.calls.assign_add(1)]
     outputs = tf.matmul(a=inputs, b=layer.kernel)
     if layer.use_bias:
@@ -190,61 +205,89 @@ def captures(model) -> list[_Capture]:
   return _captures.get(model, [])
 
 
-def forward_and_gradients(model, batch, variables):
-  """The training forward pass of `batch`, the gradients of its loss at
-  `variables` and, per installed capture, the step's (inputs,
-  pre-activation gradients), [batch, .] each with zero rows past the batch.
-  Checks that each captured layer ran once."""
+def start_client(model, control_variates) -> None:
+  """A client's first rows: none of the round's yet, then its c_i's A."""
+  for capture, (inputs, _) in zip(captures(model), control_variates,
+                                   strict=True):
+    capture.inputs.assign(tf.concat([tf.zeros_like(inputs), inputs], 0))
+
+
+def forward_and_gradients(model, batch, variables, step: tf.Tensor):
+  """The training forward pass of `batch` as the client's step `step`, the
+  gradients of its loss at `variables` and, per captured layer, the loss's
+  gradient at its pre-activations ([batch, units], zero rows past the
+  batch). Checks that each captured layer ran once."""
   found = captures(model)
   for capture in found:
     capture.calls.assign(0)
+    capture.step.assign(tf.cast(step, tf.int32))
   with tf.GradientTape() as tape:
     for capture in found:  # Not trainable: the tape would not watch it.
       tape.watch(capture.probe)
     output = model.forward_pass(batch, training=True)
   gradients = tape.gradient(output.loss,
                             list(variables) + [c.probe for c in found])
-  rows = []
-  for capture, probe_gradient in zip(found, gradients[len(variables):]):
+  probe_gradients = []
+  for capture, gradient in zip(found, gradients[len(variables):]):
     once = tf.debugging.assert_equal(
         capture.calls, 1, message=f'Dense layer {capture.layer.name} ran '
         'other than once in a forward pass; pass '
         '--factored_control_variates=false')
+    if gradient is None:  # The layer does not reach the loss.
+      gradient = tf.zeros_like(capture.probe)
     with tf.control_dependencies([once]):
-      inputs = tf.identity(capture.inputs.read_value())
-    if probe_gradient is None:  # The layer does not reach the loss.
-      probe_gradient = tf.zeros_like(capture.probe)
-    rows.append((inputs, tf.convert_to_tensor(probe_gradient)))
-  return output, gradients[:len(variables)], rows
+      probe_gradients.append(tf.identity(gradient))
+  return output, gradients[:len(variables)], probe_gradients
 
 
-def dense(factors: tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
+def _at_step(gradient: tf.Tensor, step: tf.Tensor, steps: int) -> tf.Tensor:
+  """[steps * batch, units]: `gradient` at the step's rows, zeros elsewhere."""
+  return tf.reshape(
+      tf.scatter_nd(tf.reshape(tf.cast(step, tf.int32), [1, 1]),
+                    gradient[None], [steps] + gradient.shape.as_list()),
+      [-1, gradient.shape[-1]])
+
+
+def _product(capture: _Capture, new_gradients, old_gradients) -> tf.Tensor:
+  """inputs^T [new_gradients; -old_gradients] over the 2R rows."""
+  return tf.matmul(capture.inputs.read_value(),
+                   tf.concat([new_gradients, -old_gradients], 0),
+                   transpose_a=True)
+
+
+def corrected_gradient(capture: _Capture, gradient: tf.Tensor,
+                       step: tf.Tensor, control_variate) -> tf.Tensor:
+  """g - c_i at step `step`: A_k^T D_k - A^T E, one product."""
+  return _product(capture,
+                  _at_step(gradient, step, capture.kernel.steps),
+                  control_variate[1])
+
+
+def record_gradient(step_gradients: tf.Tensor, gradient: tf.Tensor,
+                    step: tf.Tensor) -> tf.Tensor:
+  """The round's gradients at the pre-activations, [steps, batch, units]."""
+  return tf.tensor_scatter_nd_update(
+      step_gradients, tf.reshape(tf.cast(step, tf.int32), [1, 1]),
+      gradient[None])
+
+
+def new_state(capture: _Capture, step_gradients: tf.Tensor,
+              num_steps: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+  """c_i+ as (A, D / K_i): A^T (D / K_i) is the mean of the K_i
+  gradients."""
+  rows = capture.kernel.rows
+  return (capture.inputs.read_value()[:rows],
+          tf.reshape(step_gradients, [rows, -1]) /
+          tf.cast(num_steps, tf.float32))
+
+
+def difference(capture: _Capture, new, old) -> tf.Tensor:
+  """c_i+ - c_i = A+^T E+ - A^T E, one product (`new_state`'s A+ are the
+  first rows of the capture's inputs, A the rest)."""
+  return _product(capture, new[1], old[1])
+
+
+def dense(factors) -> tf.Tensor:
   """A^T E."""
   inputs, scaled_gradients = factors
   return tf.matmul(inputs, scaled_gradients, transpose_a=True)
-
-
-def difference(new, old) -> tf.Tensor:
-  """A+^T E+ - A^T E as one product of the stacked factors."""
-  return tf.matmul(tf.concat([new[0], old[0]], 0),
-                   tf.concat([new[1], -old[1]], 0), transpose_a=True)
-
-
-def add_step(step_rows, step: tf.Tensor, rows):
-  """Puts a step's (inputs, gradients) at position `step` of the round's."""
-  steps = step_rows[0].shape[0]
-  fits = tf.debugging.assert_less(
-      tf.cast(step, tf.int64), tf.constant(steps, tf.int64), message=f'a client took more than {steps} steps; '
-      'factored control variates need --client_steps')
-  with tf.control_dependencies([fits]):
-    index = tf.reshape(tf.cast(step, tf.int32), [1, 1])
-  return tuple(tf.tensor_scatter_nd_update(all_rows, index, row[None])
-               for all_rows, row in zip(step_rows, rows))
-
-
-def state(step_rows, num_steps: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-  """(A, D / K_i): c_i+ = A^T (D / K_i), the mean of the K_i gradients."""
-  inputs, gradients = step_rows
-  return (tf.reshape(inputs, [-1, inputs.shape[-1]]),
-          tf.reshape(gradients, [-1, gradients.shape[-1]]) /
-          tf.cast(num_steps, tf.float32))

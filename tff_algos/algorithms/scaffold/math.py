@@ -150,6 +150,12 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   # Position in the control-variate list -> index in `kernels`.
   factored_at = {masked_indices.index(k.variable_index): j
                  for j, k in enumerate(kernels)}
+  factored_variables = {k.variable_index for k in kernels}
+  # The masked variables whose c_i is dense, and the positions of their
+  # control variates.
+  dense_mask = tuple(m and i not in factored_variables
+                     for i, m in enumerate(mask))
+  dense_positions = [p for p in range(sum(mask)) if p not in factored_at]
   learning_rate = float(learning_rate)
   has_unmasked = not all(mask)
   masked_specs_, unmasked_specs = split_masked(trainable_specs, mask)
@@ -164,13 +170,14 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         # Tuples, not lists: a loop would stack a list into one tensor.
         optimizer_state=(client_optimizer.initialize(tuple(unmasked_specs))
                          if has_unmasked else ()),
-        # c_i - c, the same at every step: computed once per client, and
-        # the first term of c_i+ (Option II).
-        client_minus_server=tuple(ci - c for ci, c in zip(
-            _dense(client_state['control_variate'], factored_at),
-            message['control_variate'])))
+        # c_i - c of the dense c_i, the same at every step: computed once
+        # per client, and the first term of c_i+ (Option II).
+        client_minus_server=tuple(
+            client_state['control_variate'][p] -
+            message['control_variate'][p] for p in dense_positions))
     if kernels:
-      carry['factor_rows'] = tuple(k.step_zeros() for k in kernels)
+      factored.start_client(model, _factored(client_state, factored_at))
+      carry['step_gradients'] = tuple(k.step_gradients() for k in kernels)
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       carry['gradient_sums'] = tuple(zeros_like_specs(masked_specs_))
       carry['gradient_examples'] = tf.constant(0.0)
@@ -203,16 +210,40 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     return carry
 
   def train_step(model, message, client_state, carry, batch):
-    del message, client_state
     trainable = list(ModelWeights.from_model(model).trainable)
-    masked_vars, unmasked_vars = split_masked(trainable, mask)
-    # Each factored kernel's inputs and the gradient at its pre-activations
-    # come from the same backward pass as the variables' gradients.
-    output, gradients, step_rows = factored.forward_and_gradients(
-        model, batch, trainable)
-    masked_grads, unmasked_grads = split_masked(gradients, mask)
-    sgd_step.corrected_sgd_step(masked_vars, masked_grads, learning_rate,
+    num_steps = carry['num_steps']
+    # The factored kernels' gradients are not taken: each step forms its
+    # g - c_i as one product of its factors (`factored`), from the
+    # gradient at the layer's pre-activations, which comes from the same
+    # backward pass as the other variables' gradients.
+    differentiated = [v for i, v in enumerate(trainable)
+                      if i not in factored_variables]
+    output, gradients, preactivation_gradients = (
+        factored.forward_and_gradients(model, batch, differentiated,
+                                       num_steps))
+    gradients = iter(gradients)
+    gradients = [None if i in factored_variables else next(gradients)
+                 for i in range(len(trainable))]
+    dense_vars, _ = split_masked(trainable, dense_mask)
+    dense_grads, _ = split_masked(gradients, dense_mask)
+    _, unmasked_vars = split_masked(trainable, mask)
+    _, unmasked_grads = split_masked(gradients, mask)
+    sgd_step.corrected_sgd_step(dense_vars, dense_grads, learning_rate,
                                 carry['client_minus_server'])
+    step_gradients = []
+    for kernel, capture, gradient, all_gradients in zip(
+        kernels, factored.captures(model), preactivation_gradients,
+        carry.get('step_gradients', ())):
+      position = masked_indices.index(kernel.variable_index)
+      # w <- w - eta (g - c_i), then w - eta c.
+      sgd_step.sgd_step(
+          [trainable[kernel.variable_index]] * 2,
+          [factored.corrected_gradient(
+              capture, gradient, num_steps,
+              client_state['control_variate'][position]),
+           message['control_variate'][position]], learning_rate)
+      step_gradients.append(
+          factored.record_gradient(all_gradients, gradient, num_steps))
     optimizer_state = carry['optimizer_state']
     if has_unmasked:
       optimizer_state, updated = client_optimizer.next(
@@ -220,15 +251,12 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
       for variable, value in zip(unmasked_vars, updated):
         variable.assign(value)
     carry = collections.OrderedDict(carry)
-    num_steps = carry['num_steps']
     carry['num_steps'] = num_steps + 1
     carry['num_examples'] = carry['num_examples'] + tf.cast(
         output.num_examples, tf.int64)
     carry['optimizer_state'] = optimizer_state
     if kernels:
-      carry['factor_rows'] = tuple(
-          factored.add_step(all_rows, num_steps, rows)
-          for all_rows, rows in zip(carry['factor_rows'], step_rows))
+      carry['step_gradients'] = tuple(step_gradients)
     return carry
 
   def finish(model, message, client_state, carry):
@@ -244,18 +272,22 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     else:
       steps_times_lr = tf.cast(num_steps, tf.float32) * learning_rate
       masked_delta, _ = split_masked(model_delta, mask)
-      def new_control_variate(position, client_minus_server, delta):
+      captures = factored.captures(model)
+      client_minus_server = dict(zip(dense_positions,
+                                     carry['client_minus_server']))
+
+      def new_control_variate(position, delta):
         if position in factored_at:  # The mean gradient A^T (D / K_i).
-          return factored.state(carry['factor_rows'][factored_at[position]],
-                                num_steps)
+          j = factored_at[position]
+          return factored.new_state(captures[j], carry['step_gradients'][j],
+                                    num_steps)
         # c_i+ = c_i - c + (x - y) / (K_i * eta); x - y = -delta.
-        return client_minus_server - delta / steps_times_lr
+        return client_minus_server[position] - delta / steps_times_lr
 
       new_cv = _unless_untrained(
           trained,
-          lambda: [new_control_variate(p, cmc, d) for p, (cmc, d) in
-                   enumerate(zip(carry['client_minus_server'],
-                                 masked_delta))],
+          lambda: [new_control_variate(p, d)
+                   for p, d in enumerate(masked_delta)],
           client_cv)
     # A client whose update or c_i+ is not finite (it diverged) is dropped
     # as FedAvg drops it (`non_finite`), and keeps its c_i.
@@ -277,7 +309,10 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     return round_lib.ClientResult(
         model_update=model_delta, weight=weight,
         sums=collections.OrderedDict(control_variate_delta=[
-            _control_variate_delta(updated, n, o, p in factored_at)
+            _control_variate_delta(
+                updated, n, o,
+                (factored.captures(model)[factored_at[p]]
+                 if p in factored_at else None))
             for p, (n, o) in enumerate(zip(new_cv, client_cv))]),
         measurements=measurements,
         metrics=model.report_local_unfinalized_metrics(),
@@ -292,20 +327,21 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish)
 
 
-def _dense(control_variate, factored_at) -> list[tf.Tensor]:
-  """Every entry of a client's control variate as a dense tensor."""
-  return [factored.dense(entry) if p in factored_at else entry
-          for p, entry in enumerate(control_variate)]
+def _factored(client_state, factored_at) -> list:
+  """The client's factored c_i, in the order of their kernels."""
+  by_kernel = sorted((j, p) for p, j in factored_at.items())
+  return [client_state['control_variate'][p] for _, p in by_kernel]
 
 
-def _control_variate_delta(updated: tf.Tensor, new, old, is_factored: bool
+def _control_variate_delta(updated: tf.Tensor, new, old, capture
                            ) -> tf.Tensor:
   """c_i+ - c_i; exactly zero for a client that keeps c_i (a product of
-  stacked factors would not cancel exactly)."""
-  if not is_factored:
+  stacked factors would not cancel exactly). `capture`: the factored
+  kernel's, or None for a dense c_i."""
+  if capture is None:
     return new - old
-  shape = [old[0].shape[1], old[1].shape[1]]
-  return tf.cond(updated, lambda: factored.difference(new, old),
+  shape = [capture.kernel.inputs, capture.kernel.units]
+  return tf.cond(updated, lambda: factored.difference(capture, new, old),
                  lambda: tf.zeros(shape, old[0].dtype))
 
 
