@@ -6,7 +6,10 @@ of a client's state in `benchmarks.rounds` (`--state`): SCAFFOLD's c_i, a
 full-model state (the CelebA model: 1,354,881 float32 weights, 5.4 MB),
 FedResAvg's theta_i and c_i (1,524,242 weights, 6.1 MB), or SCAFFOLD's c_i
 with its first layer as factors (`benchmarks.floors.FactoredFloor`; 212,449
-weights, 0.8 MB), for a round's
+weights, 0.8 MB: the size of the state SCAFFOLD keeps on this model since
+its c_i became factored, `tff_algos/algorithms/scaffold/factored.py`; the
+dense one is what it kept before, and what FedResAvg's c_i still is), for a
+round's
 clients, with no training, split over one thread per core as the native
 runtime runs its groups:
 

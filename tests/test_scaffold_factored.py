@@ -40,7 +40,8 @@ def _arrays():
 
 
 def build_task(hidden_twice: bool = False,
-               diverging_client: Optional[int] = None) -> base.Task:
+               diverging_client: Optional[int] = None,
+               hidden_layer: bool = False) -> base.Task:
   xs, ys = _arrays()
   if diverging_client is not None:  # A NaN target: its update is NaN.
     ys[diverging_client] = ys[diverging_client].copy()
@@ -67,6 +68,9 @@ def build_task(hidden_twice: bool = False,
     layer = tf.keras.layers.Dense(UNITS, kernel_initializer=initializer,
                                   bias_initializer='ones')
     outputs = layer(inputs)
+    if hidden_layer:  # A second kernel, 16 x 16, factored too.
+      outputs = tf.keras.layers.Dense(
+          UNITS, kernel_initializer=initializer)(tf.nn.relu(outputs))
     if hidden_twice:  # The kernel used twice: not a single product.
       outputs = layer(tf.keras.layers.Dense(INPUTS)(outputs))
     return tf.keras.Model(inputs, outputs)
@@ -206,3 +210,22 @@ def test_a_resumed_factored_run_is_bit_identical(tmp_path):
   for a, b in zip(tf.nest.flatten(resumed_states),
                   tf.nest.flatten(straight_states), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_two_factored_kernels_compute_the_dense_rounds(tmp_path):
+  task = build_task(hidden_layer=True)
+  kernels = factored.plan(task.model_fn, (True,) * 4, STEPS, BATCH)
+  assert [k.variable_index for k in kernels] == [0, 2]
+  run = lib.make_runner(task, str(tmp_path))
+  dense = run('dense', 'scaffold', rounds=3, factored_control_variates=False)
+  factors = run('factored', 'scaffold', rounds=3)
+  tolerance = dict(rtol=1e-5, atol=1e-6)
+  for a, b in zip(lib.weights(factors), lib.weights(dense), strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+  for a, b in zip(factors.result.server_state['control_variate'],
+                  dense.result.server_state['control_variate'], strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+  for k in range(len(CLIENT_SIZES)):
+    for a, b in zip(_dense_cv(factors.client_cvs[k]), dense.client_cvs[k],
+                    strict=True):
+      np.testing.assert_allclose(a, b, **tolerance)
