@@ -421,20 +421,21 @@ def all_values() -> dict:
 
 
 # What runs started before a flag existed computed, where that is not the
-# flag's default: a resume compares a run whose hparams.json lacks the flag
-# with it. (SCAFFOLD/FedPVR kept every c_i dense; their stored states are in
-# that form.)
+# flag's default and their stored client states depend on it: a resume
+# compares a run whose hparams.json lacks the flag with it. (SCAFFOLD/FedPVR
+# kept every c_i dense.)
 VALUES_BEFORE_FLAG = {'factored_control_variates': False}
 
 
-def given_flag_defaults() -> dict:
+def given_flag_defaults(definition) -> dict:
   """{flag: its default} of the flags given on this command line, and
-  `VALUES_BEFORE_FLAG`: what a resume compares them with when the run's
-  hparams.json lacks them (a flag not given otherwise takes what this code
-  computes, as the run's did)."""
+  `VALUES_BEFORE_FLAG` of those the run's client states depend on: what a
+  resume compares them with when the run's hparams.json lacks them (a flag
+  not given otherwise takes what this code computes, as the run's did)."""
   given = {f.name: f.default for f in FLAGS.get_flags_for_module(__name__)
            if f.present}
-  return {**given, **VALUES_BEFORE_FLAG}
+  return {**given, **{k: v for k, v in VALUES_BEFORE_FLAG.items()
+                      if k in definition.fixed_on_resume}}
 
 
 # The TFF runtime's execution settings; the native runtime starts no worker.
@@ -638,20 +639,20 @@ def aggregator_settings(task: task_base.Task) -> factories.AggregatorSettings:
     raise UsageError(f'--{e}') from e
 
 
-def fixed_on_resume() -> dict[str, str]:
+def fixed_on_resume(definition) -> dict[str, str]:
   """{flag: why} of the flags a run may not change on resume, even with
   --allow_flag_changes: the aggregator's state (its clip and noise, quantile
   estimates and counters) is in the checkpoints, and the privacy a DP run
   logs is accounted over all its rounds with one noise multiplier, clip and
-  sampling rate."""
+  sampling rate; and those the algorithm's stored client states depend on
+  (`RoundDefinition.fixed_on_resume`)."""
   why = ('the checkpoints hold the aggregator\'s state, and a DP run\'s '
          'epsilon covers all its rounds with one noise multiplier, clip and '
          'sampling rate')
   fixed = dict.fromkeys(('aggregator',) + AGGREGATOR_FLAGS, why)
   if FLAGS.aggregator == factories.DP:
     fixed['clients_per_round'] = why
-  fixed['factored_control_variates'] = (
-      'the stored client states hold each c_i in the form the run chose')
+  fixed.update(definition.fixed_on_resume)
   return fixed
 
 

@@ -211,3 +211,28 @@ def test_a_run_from_before_factored_control_variates_resumes_dense(root):
   _run_cli(root, name, *args, '--factored_control_variates=false',
            '--total_rounds=2')
   assert len(_column(run_dir, 'train/loss')) == 2
+
+
+def test_a_factored_run_keeps_its_steps_and_batch_and_option1_is_free(root):
+  # A factored c_i has K * B rows: K and B cannot change on resume.
+  args = ('--algorithm=scaffold', '--model=mlp', '--client_steps=2')
+  _run_cli(root, 'factored_k', *args, '--total_rounds=1')
+  for flag in ('--client_steps=3', '--client_batch_size=4'):
+    with pytest.raises(UsageError, match=flag.split('=')[0] +
+                       r' \(run: \d+, now: \d+\).*rows'):
+      _run_cli(root, 'factored_k', *args, flag, '--allow_flag_changes',
+               '--total_rounds=2')
+  # Option I keeps every c_i dense: a run from before the flag resumes
+  # without it.
+  args = ('--algorithm=scaffold', '--model=mlp', '--client_steps=2',
+          '--scaffold_option=1')
+  run_dir = _run_cli(root, 'option1_before_factors', *args,
+                     '--total_rounds=1')
+  path = os.path.join(run_dir, 'hparams.json')
+  with open(path) as f:
+    hparams = json.load(f)
+  del hparams['factored_control_variates']
+  with open(path, 'w') as f:
+    json.dump(hparams, f)
+  _run_cli(root, 'option1_before_factors', *args, '--total_rounds=2')
+  assert len(_column(run_dir, 'train/loss')) == 2

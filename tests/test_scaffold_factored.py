@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from tasks import base
 from tff_algos.algorithms import registry
@@ -41,7 +42,8 @@ def _arrays():
 
 def build_task(hidden_twice: bool = False,
                diverging_client: Optional[int] = None,
-               hidden_layer: bool = False) -> base.Task:
+               hidden_layer: bool = False, nested: bool = False
+               ) -> base.Task:
   xs, ys = _arrays()
   if diverging_client is not None:  # A NaN target: its update is NaN.
     ys[diverging_client] = ys[diverging_client].copy()
@@ -71,6 +73,9 @@ def build_task(hidden_twice: bool = False,
     if hidden_layer:  # A second kernel, 16 x 16, factored too.
       outputs = tf.keras.layers.Dense(
           UNITS, kernel_initializer=initializer)(tf.nn.relu(outputs))
+    if nested:  # The model above inside another one, then a second layer.
+      outputs = tf.keras.layers.Dense(UNITS, kernel_initializer=initializer)(
+          tf.keras.Model(inputs, outputs)(inputs))
     if hidden_twice:  # The kernel used twice: not a single product.
       outputs = layer(tf.keras.layers.Dense(INPUTS)(outputs))
     return tf.keras.Model(inputs, outputs)
@@ -163,6 +168,53 @@ def test_a_kernel_used_twice_stays_dense():
   assert all(k.variable_index != 0 for k in kernels)
 
 
+class _ReadsKernel(tf.keras.layers.Layer):
+  """Another use of a Dense layer's kernel (tied weights)."""
+
+  def __init__(self, dense, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = dense
+
+  def call(self, inputs):
+    return tf.matmul(inputs, self.dense.kernel, transpose_b=True)
+
+
+def _model_fn(build, input_dtype=tf.float32):
+  return lambda: tff.learning.models.from_keras_model(
+      build(), loss=tf.keras.losses.MeanSquaredError(),
+      input_spec=(tf.TensorSpec([None, INPUTS], input_dtype),
+                  tf.TensorSpec([None, INPUTS], tf.float32)))
+
+
+def _tied():
+  inputs = tf.keras.Input((INPUTS,))
+  dense = tf.keras.layers.Dense(UNITS)
+  return tf.keras.Model(inputs, _ReadsKernel(dense)(dense(inputs)))
+
+
+def _int_inputs():
+  inputs = tf.keras.Input((INPUTS,), dtype=tf.int32)
+  return tf.keras.Model(inputs, tf.keras.layers.Dense(INPUTS)(inputs))
+
+
+def _more_rows():  # The Dense sees 4 rows per example.
+  inputs = tf.keras.Input((INPUTS,))
+  rows = tf.keras.layers.Reshape((4, INPUTS // 4))(inputs)
+  rows = tf.keras.layers.Lambda(lambda t: tf.reshape(t, [-1, INPUTS // 4]))(
+      rows)
+  outputs = tf.keras.layers.Dense(UNITS)(rows)
+  return tf.keras.Model(inputs, tf.keras.layers.Lambda(
+      lambda t: tf.reshape(t, [-1, INPUTS]))(outputs[:, :3]))
+
+
+@pytest.mark.parametrize('build,dtype', [(_tied, tf.float32),
+                                         (_int_inputs, tf.int32),
+                                         (_more_rows, tf.float32)])
+def test_kernels_whose_gradient_is_not_one_product_stay_dense(build, dtype):
+  # Each is smaller as factors; none has A^T D as its gradient.
+  assert factored.plan(_model_fn(build, dtype), (True,) * 2, 1, 1) == ()
+
+
 def test_a_diverging_client_keeps_its_factors_and_adds_nothing(tmp_path):
   diverging, rounds = 2, 3
   sampled = [driver.plan_round(lib.SEED, r, len(CLIENT_SIZES),
@@ -212,8 +264,9 @@ def test_a_resumed_factored_run_is_bit_identical(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
-def test_two_factored_kernels_compute_the_dense_rounds(tmp_path):
-  task = build_task(hidden_layer=True)
+@pytest.mark.parametrize('model', ['hidden_layer', 'nested'])
+def test_two_factored_kernels_compute_the_dense_rounds(tmp_path, model):
+  task = build_task(**{model: True})
   kernels = factored.plan(task.model_fn, (True,) * 4, STEPS, BATCH)
   assert [k.variable_index for k in kernels] == [0, 2]
   run = lib.make_runner(task, str(tmp_path))

@@ -171,6 +171,10 @@ class RoundDefinition:
   # GT's eq. 10): the same uploaded values, aggregated a second way, in the
   # clear (aggregates['model_update_sum']).
   sums_model_update: bool = False
+  # {flag: why} of flags a resumed run may not change, even with
+  # --allow_flag_changes: its stored client states depend on them.
+  fixed_on_resume: Mapping[str, str] = dataclasses.field(
+      default_factory=dict)
 
   @property
   def has_client_state(self) -> bool:

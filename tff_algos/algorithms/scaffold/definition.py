@@ -99,10 +99,23 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
   mask = _mask(settings, info.variable_names)
   layer_of_variable = math.variable_layers(info.variable_names)
   cv_specs = math.masked_specs(info.trainable_specs, mask)
-  kernels = ()
-  if (settings.factored_control_variates and
-      settings.scaffold_option == math.OPTION_FROM_LOCAL_STEPS):
-    kernels = factored.plan(model_fn, mask, *client_steps_and_batch)
+  factorable = ()
+  if settings.scaffold_option == math.OPTION_FROM_LOCAL_STEPS:
+    factorable = factored.plan(model_fn, mask, *client_steps_and_batch)
+  kernels = factorable if settings.factored_control_variates else ()
+  fixed_on_resume = {}
+  if factorable:
+    # Runs started before the flag existed kept every c_i dense
+    # (binaries.flags_lib.VALUES_BEFORE_FLAG).
+    fixed_on_resume['factored_control_variates'] = (
+        'the stored client states hold each c_i in the form the run chose; '
+        'a run from before this flag existed kept them dense: '
+        '--factored_control_variates=false')
+  if kernels:
+    fixed_on_resume.update(dict.fromkeys(
+        ('client_steps', 'client_batch_size'),
+        'the stored factored c_i have --client_steps x --client_batch_size '
+        'rows'))
   masked_indices = [i for i, m in enumerate(mask) if m]
   factored_at = {masked_indices.index(k.variable_index): k for k in kernels}
   server_optimizer = settings_lib.optimizer(settings.server_optimizer,
@@ -167,7 +180,7 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
           layer_of_variable if settings.drift_diversity else None,
           kernels),
       server_update=server_update, initial_client_state=initial_client_state,
-      **fields)
+      fixed_on_resume=fixed_on_resume, **fields)
 
 
 def scaffold(task, settings: ScaffoldSettings) -> round_lib.RoundDefinition:

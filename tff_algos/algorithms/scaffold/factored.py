@@ -20,13 +20,13 @@ gradient on its own); c_i+ - c_i, which the server sums, is one product
 too.
 
 A kernel is kept as factors only where that is exact: a plain
-`tf.keras.layers.Dense` of float32 on inputs of rank 2, whose kernel has a
-control variate, in a Keras model without regularization losses (which
-would add their own gradient at the kernel), with Option II and
---client_steps, called once by a Keras graph model. A kernel that another
-layer reads would lose that use's gradient; that is not detected
-(docs/scaffold.md). Each step checks that the layer ran once, on at most B
-rows, within K steps. In floats, A^T E rounds differently from
+`tf.keras.layers.Dense` of float32 whose kernel has a control variate, in a
+Keras graph model without regularization losses (which would add their own
+gradient at the kernel), with Option II and --client_steps, and whose
+kernel one traced forward pass reads exactly once, as the right operand of
+a product with float32 inputs of one row per example (`_single_products`).
+Each step checks that the layer ran once, on at most B rows, within K
+steps. In floats, A^T E rounds differently from
 c_i - c + (x - y) / (K eta); `--factored_control_variates=false` keeps
 every c_i dense.
 """
@@ -89,16 +89,52 @@ def _kernel_layers(model) -> dict[int, tf.keras.layers.Dense]:
           if layer.kernel.ref() in index}
 
 
-def _input_rank_of_single_call(layer) -> Optional[int]:
-  """The rank of the layer's input when the model calls it once; None when
-  it calls it more often (its kernel's gradient is then a sum of products)
-  or the model is not a graph of layers (the calls are unknown)."""
-  try:
-    if len(layer.inbound_nodes) != 1:
-      return None
-    return len(layer.input_shape)
-  except (AttributeError, RuntimeError, TypeError):
-    return None
+# A batch size the probe trace below gives the model: a layer whose input
+# has another number of rows does not see one row per example.
+_PROBE_ROWS = 7
+
+
+def _single_products(keras_model) -> set:
+  """Refs of the Dense kernels that one forward pass reads exactly once, as
+  the right operand of a product whose left one is float32 with one row per
+  example: then, and only then, their gradient on a batch is A^T D.
+
+  Read from the graph of one traced call (batch of `_PROBE_ROWS`): a layer
+  called twice, a kernel another layer also reads, inputs cast from another
+  dtype or reshaped into other rows, all show there. A model without one
+  known input shape (not a Keras graph model) gets none.
+  """
+  inputs = getattr(keras_model, 'inputs', None)
+  if not inputs or len(inputs) != 1:
+    return set()
+  shape = tf.TensorShape([_PROBE_ROWS]).concatenate(inputs[0].shape[1:])
+  if not shape.is_fully_defined():
+    return set()
+  graph = tf.function(
+      lambda x: keras_model(x, training=True), autograph=False
+  ).get_concrete_function(tf.TensorSpec(shape, inputs[0].dtype)).graph
+  placeholders = {id(value): placeholder
+                  for value, placeholder in graph.captures}
+  found = set()
+  for layer in _dense_layers(keras_model):
+    placeholder = placeholders.get(id(layer.kernel.handle))
+    if placeholder is None:
+      continue
+    reads = placeholder.consumers()
+    if len(reads) != 1 or reads[0].type != 'ReadVariableOp':
+      continue
+    uses = reads[0].outputs[0].consumers()
+    if len(uses) != 1 or uses[0].type != 'MatMul':
+      continue
+    product = uses[0]
+    left = product.inputs[0]
+    if (product.inputs[1] is reads[0].outputs[0]
+        and not product.get_attr('transpose_a')
+        and not product.get_attr('transpose_b')
+        and left.dtype == tf.float32 and left.op.type != 'Cast'
+        and left.shape.rank == 2 and left.shape[0] == _PROBE_ROWS):
+      found.add(layer.kernel.ref())
+  return found
 
 
 def plan(model_fn, mask: Sequence[bool], steps: Optional[int], batch: int
@@ -108,14 +144,18 @@ def plan(model_fn, mask: Sequence[bool], steps: Optional[int], batch: int
   if steps is None:
     return ()
   with tf.Graph().as_default():
-    layers = _kernel_layers(model_fn())
+    model = model_fn()
+    layers = _kernel_layers(model)
+    if not any(mask[i] for i in layers):
+      return ()
+    single_products = _single_products(tff_internals.keras_model_of(model))
     kernels = []
     for i, layer in sorted(layers.items()):
       inputs, units = (int(d) for d in layer.kernel.shape)
       if not (mask[i] and layer.kernel_regularizer is None
               and layer.dtype_policy.compute_dtype == 'float32'
               and layer.kernel.dtype == tf.float32
-              and _input_rank_of_single_call(layer) == 2):
+              and layer.kernel.ref() in single_products):
         continue
       if steps * batch * (inputs + units) < inputs * units:
         kernels.append(FactoredKernel(i, steps, batch, inputs, units))
