@@ -190,6 +190,16 @@ def test_bad_flags_end_in_one_usage_error(root, extra, flag):
   assert not os.path.exists(os.path.join(root, 'bad_flags', 'metrics.csv'))
 
 
+def _as_if_from_before_the_flag(run_dir):
+  """The run's hparams.json without --factored_control_variates."""
+  path = os.path.join(run_dir, 'hparams.json')
+  with open(path) as f:
+    hparams = json.load(f)
+  del hparams['factored_control_variates']
+  with open(path, 'w') as f:
+    json.dump(hparams, f)
+
+
 def test_a_run_from_before_factored_control_variates_resumes_dense(root):
   # The MLP's first kernel is factored by default; a run whose hparams.json
   # predates the flag stored it dense, so resuming it with the factored
@@ -198,12 +208,7 @@ def test_a_run_from_before_factored_control_variates_resumes_dense(root):
   name = 'scaffold_before_factors'
   run_dir = _run_cli(root, name, *args, '--factored_control_variates=false',
                      '--total_rounds=1')
-  path = os.path.join(run_dir, 'hparams.json')
-  with open(path) as f:
-    hparams = json.load(f)
-  del hparams['factored_control_variates']
-  with open(path, 'w') as f:
-    json.dump(hparams, f)
+  _as_if_from_before_the_flag(run_dir)
   for extra in ((), ('--allow_flag_changes',)):
     with pytest.raises(UsageError, match='--factored_control_variates '
                        r'\(run: not in hparams.json, now: true\)'):
@@ -228,11 +233,6 @@ def test_a_factored_run_keeps_its_steps_and_batch_and_option1_is_free(root):
           '--scaffold_option=1')
   run_dir = _run_cli(root, 'option1_before_factors', *args,
                      '--total_rounds=1')
-  path = os.path.join(run_dir, 'hparams.json')
-  with open(path) as f:
-    hparams = json.load(f)
-  del hparams['factored_control_variates']
-  with open(path, 'w') as f:
-    json.dump(hparams, f)
+  _as_if_from_before_the_flag(run_dir)
   _run_cli(root, 'option1_before_factors', *args, '--total_rounds=2')
   assert len(_column(run_dir, 'train/loss')) == 2
