@@ -116,8 +116,7 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
         ('client_steps', 'client_batch_size'),
         'the stored factored c_i have --client_steps x --client_batch_size '
         'rows'))
-  masked_indices = [i for i, m in enumerate(mask) if m]
-  factored_at = {masked_indices.index(k.variable_index): k for k in kernels}
+  factored_at = dict(zip(factored.positions(mask, kernels), kernels))
   server_optimizer = settings_lib.optimizer(settings.server_optimizer,
                                             settings.server_learning_rate)
   client_optimizer = settings_lib.optimizer(

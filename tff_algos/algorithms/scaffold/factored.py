@@ -162,6 +162,14 @@ def plan(model_fn, mask: Sequence[bool], steps: Optional[int], batch: int
   return tuple(kernels)
 
 
+def positions(mask: Sequence[bool], kernels: Sequence[FactoredKernel]
+              ) -> list[int]:
+  """Each kernel's place in the list of control variates (one per masked
+  variable, in variable order)."""
+  masked = [i for i, m in enumerate(mask) if m]
+  return [masked.index(k.variable_index) for k in kernels]
+
+
 class _Capture:
   """One factored kernel's layer in a client's model, recording its calls.
 

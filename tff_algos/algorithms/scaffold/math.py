@@ -146,10 +146,9 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   kernels = tuple(factored_kernels)
   if kernels and option != OPTION_FROM_LOCAL_STEPS:
     raise ValueError('factored control variates need option 2')
-  masked_indices = [i for i, m in enumerate(mask) if m]
+  kernel_positions = factored.positions(mask, kernels)
   # Position in the control-variate list -> index in `kernels`.
-  factored_at = {masked_indices.index(k.variable_index): j
-                 for j, k in enumerate(kernels)}
+  factored_at = {p: j for j, p in enumerate(kernel_positions)}
   factored_variables = {k.variable_index for k in kernels}
   # The masked variables whose c_i is dense, and the positions of their
   # control variates.
@@ -176,7 +175,8 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
             client_state['control_variate'][p] -
             message['control_variate'][p] for p in dense_positions))
     if kernels:
-      factored.start_client(model, _factored(client_state, factored_at))
+      factored.start_client(model, [client_state['control_variate'][p]
+                                    for p in kernel_positions])
       carry['step_gradients'] = tuple(k.step_gradients() for k in kernels)
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       carry['gradient_sums'] = tuple(zeros_like_specs(masked_specs_))
@@ -231,10 +231,9 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     sgd_step.corrected_sgd_step(dense_vars, dense_grads, learning_rate,
                                 carry['client_minus_server'])
     step_gradients = []
-    for kernel, capture, gradient, all_gradients in zip(
-        kernels, factored.captures(model), preactivation_gradients,
-        carry.get('step_gradients', ())):
-      position = masked_indices.index(kernel.variable_index)
+    for kernel, position, capture, gradient, all_gradients in zip(
+        kernels, kernel_positions, factored.captures(model),
+        preactivation_gradients, carry.get('step_gradients', ())):
       # w <- w - eta (g - c_i), then w - eta c.
       sgd_step.sgd_step(
           [trainable[kernel.variable_index]] * 2,
@@ -266,13 +265,13 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     model_delta = [v - w for v, w in zip(trainable, x.trainable)]
     num_steps = carry['num_steps']
     trained = num_steps > 0
+    captures = factored.captures(model)
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       new_cv = _unless_untrained(trained, lambda: list(carry['gradient_at_x']),
                                  client_cv)
     else:
       steps_times_lr = tf.cast(num_steps, tf.float32) * learning_rate
       masked_delta, _ = split_masked(model_delta, mask)
-      captures = factored.captures(model)
       client_minus_server = dict(zip(dense_positions,
                                      carry['client_minus_server']))
 
@@ -311,8 +310,7 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         sums=collections.OrderedDict(control_variate_delta=[
             _control_variate_delta(
                 updated, n, o,
-                (factored.captures(model)[factored_at[p]]
-                 if p in factored_at else None))
+                captures[factored_at[p]] if p in factored_at else None)
             for p, (n, o) in enumerate(zip(new_cv, client_cv))]),
         measurements=measurements,
         metrics=model.report_local_unfinalized_metrics(),
@@ -325,12 +323,6 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
                   lambda model, message, client_state, carry: carry),
         finish=finish)
   return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish)
-
-
-def _factored(client_state, factored_at) -> list:
-  """The client's factored c_i, in the order of their kernels."""
-  by_kernel = sorted((j, p) for p, j in factored_at.items())
-  return [client_state['control_variate'][p] for _, p in by_kernel]
 
 
 def _control_variate_delta(updated: tf.Tensor, new, old, capture
