@@ -16,8 +16,11 @@ benchmark's first layer: 10 x 21232 floats against 21168 x 64, 0.85 MB
 against 5.4 MB). The client steps on dense weights: each step's g - c_i is
 one product of stacked factors, [A_k; A]^T [D_k; -E], applied as one
 update, then c as a second (c_i - c is never formed, nor the kernel's
-gradient on its own); c_i+ - c_i, which the server sums, is one product
-too.
+gradient on its own). c_i+ - c_i, which the server sums, is not formed
+from the factors: by the same line 12 it is (x - y) / (K eta) - c, which a
+client sends as its first term (one pass over the kernel, where a product
+of the stacked factors cost more) and the server completes
+(`math.control_variate_delta_sums`).
 
 A kernel is kept as factors only where that is exact: a plain
 `tf.keras.layers.Dense` of float32 whose kernel has a control variate, in a
@@ -173,21 +176,23 @@ def positions(mask: Sequence[bool], kernels: Sequence[FactoredKernel]
 class _Capture:
   """One factored kernel's layer in a client's model, recording its calls.
 
-  `inputs` holds 2R rows: the round's input rows [0, R), batch by batch at
-  the step's place (zero rows past a batch), then the A of the client's
-  c_i [R, 2R). A zero `probe` added to the layer's pre-activations has the
-  loss's gradient there as its gradient. So one product of `inputs` with
-  stacked gradients gives a step's g - c_i, and at the end c_i+ - c_i.
-  Variables, not tensors: tff.learning's forward pass runs the Keras model
-  inside a tf.function of its own, whose tensors the client's step cannot
-  reach; a variable's value and gradient cross that boundary.
+  `stacked` holds B + R rows: the current step's input rows [0, B) (zero
+  rows past its batch), then the A of the client's c_i [B, B + R), so one
+  product of it with [D_k; -E] is the step's g - c_i. `round_rows` holds
+  the round's R input rows, batch by batch at the step's place: the A of
+  c_i+. A zero `probe` added to the layer's pre-activations has the loss's
+  gradient there (D_k) as its gradient. Variables, not tensors:
+  tff.learning's forward pass runs the Keras model inside a tf.function of
+  its own, whose tensors the client's step cannot reach; a variable's value
+  and gradient cross that boundary.
   """
 
   def __init__(self, layer, kernel: FactoredKernel):
     self.layer = layer
     self.kernel = kernel
     zeros = lambda *shape: tf.Variable(tf.zeros(shape), trainable=False)
-    self.inputs = zeros(2 * kernel.rows, kernel.inputs)
+    self.stacked = zeros(kernel.batch + kernel.rows, kernel.inputs)
+    self.round_rows = zeros(kernel.rows, kernel.inputs)
     self.probe = zeros(kernel.batch, kernel.units)
     self.step = tf.Variable(0, trainable=False)
     self.calls = tf.Variable(0, trainable=False)
@@ -214,11 +219,11 @@ class _Capture:
             f'--client_steps={self.kernel.steps} steps; pass '
             '--factored_control_variates=false')]
     with tf.control_dependencies(fits):
+      padded = tf.pad(inputs, [[0, batch - rows], [0, 0]])
       first = self.step * batch
       recorded = [
-          self.inputs.scatter_update(tf.IndexedSlices(
-              tf.pad(inputs, [[0, batch - rows], [0, 0]]),
-              tf.range(first, first + batch))),
+          _write_rows(self.stacked, 0, padded),
+          _write_rows(self.round_rows, first, padded),
           self.calls.assign_add(1)]
     outputs = tf.matmul(a=inputs, b=layer.kernel)
     if layer.use_bias:
@@ -228,6 +233,15 @@ class _Capture:
     if layer.activation is not None:
       outputs = layer.activation(outputs)
     return outputs
+
+
+def _write_rows(variable: tf.Variable, first, rows: tf.Tensor):
+  """variable[first:first + len(rows)] = rows, in place.
+
+  A scatter: a strided-slice assignment measured 25x slower here (0.2 ms
+  for 5 rows of the benchmark's layer)."""
+  return variable.scatter_update(tf.IndexedSlices(
+      rows, tf.range(first, first + tf.shape(rows)[0])))
 
 
 _captures = weakref.WeakKeyDictionary()
@@ -254,10 +268,12 @@ def captures(model) -> list[_Capture]:
 
 
 def start_client(model, control_variates) -> None:
-  """A client's first rows: none of the round's yet, then its c_i's A."""
+  """A client's first rows: its c_i's A after the step's rows, and none of
+  the round's yet."""
   for capture, (inputs, _) in zip(captures(model), control_variates,
                                    strict=True):
-    capture.inputs.assign(tf.concat([tf.zeros_like(inputs), inputs], 0))
+    _write_rows(capture.stacked, capture.kernel.batch, inputs)
+    capture.round_rows.assign(tf.zeros_like(inputs))
 
 
 def forward_and_gradients(model, batch, variables, step: tf.Tensor):
@@ -288,27 +304,13 @@ def forward_and_gradients(model, batch, variables, step: tf.Tensor):
   return output, gradients[:len(variables)], probe_gradients
 
 
-def _at_step(gradient: tf.Tensor, step: tf.Tensor, steps: int) -> tf.Tensor:
-  """[steps * batch, units]: `gradient` at the step's rows, zeros elsewhere."""
-  return tf.reshape(
-      tf.scatter_nd(tf.reshape(tf.cast(step, tf.int32), [1, 1]),
-                    gradient[None], [steps] + gradient.shape.as_list()),
-      [-1, gradient.shape[-1]])
-
-
-def _product(capture: _Capture, new_gradients, old_gradients) -> tf.Tensor:
-  """inputs^T [new_gradients; -old_gradients] over the 2R rows."""
-  return tf.matmul(capture.inputs.read_value(),
-                   tf.concat([new_gradients, -old_gradients], 0),
-                   transpose_a=True)
-
-
 def corrected_gradient(capture: _Capture, gradient: tf.Tensor,
-                       step: tf.Tensor, control_variate) -> tf.Tensor:
-  """g - c_i at step `step`: A_k^T D_k - A^T E, one product."""
-  return _product(capture,
-                  _at_step(gradient, step, capture.kernel.steps),
-                  control_variate[1])
+                       control_variate) -> tf.Tensor:
+  """g - c_i of the step whose pre-activation gradient is `gradient`:
+  A_k^T D_k - A^T E, one product."""
+  return tf.matmul(capture.stacked.read_value(),
+                   tf.concat([gradient, -control_variate[1]], 0),
+                   transpose_a=True)
 
 
 def record_gradient(step_gradients: tf.Tensor, gradient: tf.Tensor,
@@ -323,16 +325,9 @@ def new_state(capture: _Capture, step_gradients: tf.Tensor,
               num_steps: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
   """c_i+ as (A, D / K_i): A^T (D / K_i) is the mean of the K_i
   gradients."""
-  rows = capture.kernel.rows
-  return (capture.inputs.read_value()[:rows],
-          tf.reshape(step_gradients, [rows, -1]) /
+  return (capture.round_rows.read_value(),
+          tf.reshape(step_gradients, [capture.kernel.rows, -1]) /
           tf.cast(num_steps, tf.float32))
-
-
-def difference(capture: _Capture, new, old) -> tf.Tensor:
-  """c_i+ - c_i = A+^T E+ - A^T E, one product (`new_state`'s A+ are the
-  first rows of the capture's inputs, A the rest)."""
-  return _product(capture, new[1], old[1])
 
 
 def dense(factors) -> tf.Tensor:
