@@ -148,6 +148,21 @@ def test_factored_control_variates_compute_the_dense_rounds(run, runtime):
   assert np.abs(dense.result.server_state['control_variate'][0]).max() > 0.05
 
 
+@pytest.mark.parametrize('runtime', ['tff', 'native'])
+def test_a_stored_factor_holds_the_clients_own_rows(run, runtime):
+  # A = the inputs of the client's steps, batch by batch at the step's
+  # place, zero rows past a smaller batch and past its last step: nothing
+  # of the clients before it in its group.
+  factors = run(f'factored_{runtime}', 'scaffold', rounds=3, runtime=runtime)
+  xs, _ = _arrays()
+  for k, x in enumerate(xs):
+    want = np.zeros((STEPS * BATCH, INPUTS), np.float32)
+    for step in range(min(STEPS, -(-len(x) // BATCH))):
+      rows = x[step * BATCH:(step + 1) * BATCH]
+      want[step * BATCH:step * BATCH + len(rows)] = rows
+    np.testing.assert_array_equal(factors.client_cvs[k][0][0], want)
+
+
 def test_factored_runs_on_both_runtimes_agree(run):
   # As every algorithm's runtimes (test_native_runtime): to the last bits
   # their graph optimizations may round differently.

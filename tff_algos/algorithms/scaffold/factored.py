@@ -268,12 +268,12 @@ def captures(model) -> list[_Capture]:
 
 
 def start_client(model, control_variates) -> None:
-  """A client's first rows: its c_i's A after the step's rows, and none of
-  the round's yet."""
+  """A client's first rows: its c_i's A after the step's rows. (The
+  round's rows are written by its steps; `new_state` zeroes the rows of
+  steps it did not take.)"""
   for capture, (inputs, _) in zip(captures(model), control_variates,
                                    strict=True):
     _write_rows(capture.stacked, capture.kernel.batch, inputs)
-    capture.round_rows.assign(tf.zeros_like(inputs))
 
 
 def forward_and_gradients(model, batch, variables, step: tf.Tensor):
@@ -325,8 +325,19 @@ def new_state(capture: _Capture, step_gradients: tf.Tensor,
               num_steps: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
   """c_i+ as (A, D / K_i): A^T (D / K_i) is the mean of the K_i
   gradients."""
-  return (capture.round_rows.read_value(),
-          tf.reshape(step_gradients, [capture.kernel.rows, -1]) /
+  kernel = capture.kernel
+  inputs = capture.round_rows.read_value()
+  # Rows past the client's steps hold an earlier client's inputs: zeroed
+  # (a pass over A) only for a client that took fewer than K steps.
+  inputs = tf.cond(
+      num_steps < kernel.steps,
+      lambda: tf.where(
+          tf.range(kernel.rows)[:, None] <
+          tf.cast(num_steps, tf.int32) * kernel.batch,
+          inputs, tf.zeros_like(inputs)),
+      lambda: inputs)
+  return (inputs,
+          tf.reshape(step_gradients, [kernel.rows, -1]) /
           tf.cast(num_steps, tf.float32))
 
 
