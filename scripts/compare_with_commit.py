@@ -54,6 +54,10 @@ COMMANDS = {
     'fedres_naive': _FEDRES + ['--algorithm=fedres_naive'],
     'fedres_sgd': _FEDRES + ['--algorithm=fedres_sgd'],
     'fedres_avg': _FEDRES + ['--algorithm=fedres_avg'],
+    'fedres_avg_1': _FEDRES + ['--algorithm=fedres_avg', '--fedres_option=1'],
+    # The first layer's c_i kept as factors (docs/scaffold.md).
+    'scaffold_factored': _DIGITS + _LR + ['--algorithm=scaffold',
+                                          '--model=mlp'],
 }
 QUICK = ('fedavg', 'scaffold_2', 'mixed_2wgt', 'fedres_avg')
 _TIMING = ('round_seconds', 'eval_seconds')
@@ -128,11 +132,22 @@ def main() -> int:
   parser.add_argument('--commit', required=True)
   parser.add_argument('--quick', action='store_true',
                       help=f'only {", ".join(QUICK)}')
+  parser.add_argument('--configs', default='',
+                      help='comma-separated names of COMMANDS to run '
+                      '(default: all, or --quick\'s)')
   parser.add_argument('--runtimes', default='tff,native')
   parser.add_argument('--same_flags', action='store_true',
                       help='no NEW_ONLY_FLAGS: the commit has every flag of '
                       'this tree (e.g. a commit after compiled cohorts)')
   args = parser.parse_args()
+  names = QUICK if args.quick else tuple(COMMANDS)
+  if args.configs:
+    names = tuple(args.configs.split(','))
+    unknown = [n for n in names if n not in COMMANDS]
+    if unknown:
+      print(f'error: unknown --configs {", ".join(unknown)}; known: '
+            f'{", ".join(COMMANDS)}', file=sys.stderr)
+      return 2
   work = tempfile.mkdtemp(prefix='compare_')
   old_tree = os.path.join(work, 'tree')
   added = subprocess.run(['git', 'worktree', 'add', '--detach', old_tree,
@@ -148,7 +163,6 @@ def main() -> int:
     return 2
   os.symlink(os.path.join(ROOT, '.venv'), os.path.join(old_tree, '.venv'))
   identical = 0
-  names = QUICK if args.quick else tuple(COMMANDS)
   try:
     for runtime in args.runtimes.split(','):
       for name in names:

@@ -273,7 +273,9 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
     assign(model.global_weights, message['global_weights'])
     assign(model.local_weights, client_state['local_model'])
     carry = collections.OrderedDict(stats=_zero_stats())
-    if variant != 'naive':
+    # FedResSGD's large-batch gradient and Option II's c_i+ sum the pass's
+    # gradients; Option I uses neither.
+    if variant == 'sgd' or hparams.uses_control:
       # Tuples, not lists: a loop would stack a list into one tensor.
       carry['gradient_sums'] = tuple(tf.zeros_like(v)
                                      for v in model.global_weights)
@@ -315,9 +317,10 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
                   else None)
     gradients = _corrected_global_step(model, batch, eta, difference)
     carry = collections.OrderedDict(carry)
-    carry['gradient_sums'] = tuple(
-        s + g for s, g in zip(carry['gradient_sums'], gradients))
-    carry['gradient_steps'] = carry['gradient_steps'] + 1
+    if hparams.uses_control:
+      carry['gradient_sums'] = tuple(
+          s + g for s, g in zip(carry['gradient_sums'], gradients))
+      carry['gradient_steps'] = carry['gradient_steps'] + 1
     return carry
 
   def finish(model, message, client_state, carry):
