@@ -163,6 +163,24 @@ def test_a_stored_factor_holds_the_clients_own_rows(run, runtime):
     np.testing.assert_array_equal(factors.client_cvs[k][0][0], want)
 
 
+def test_c_stays_the_mean_of_the_stored_factored_c_i(run):
+  # [SCAFFOLD] eq. 21 with every c_i starting at 0 and the |S|/N rule: c is
+  # the mean of all N clients' c_i, however many rounds. The sum of
+  # c_i+ - c_i is formed from the stored factors; line 12's
+  # (x - y) / (K eta) - c, with its rounding of eps |w| / (K eta) a client,
+  # drifted from them by 1e-4 (relative) in these 30 rounds.
+  factors = run('invariant', 'scaffold', rounds=30,
+                client_learning_rate=0.001)
+  mean = [np.mean([_dense_cv(factors.client_cvs[k])[p]
+                   for k in range(len(CLIENT_SIZES))], axis=0)
+          for p in range(2)]
+  for c, want in zip(factors.result.server_state['control_variate'], mean,
+                     strict=True):
+    scale = np.abs(want).max()
+    assert scale > 0
+    np.testing.assert_allclose(c, want, rtol=0, atol=1e-5 * scale)
+
+
 def test_factored_runs_on_both_runtimes_agree(run):
   # As every algorithm's runtimes (test_native_runtime): to the last bits
   # their graph optimizations may round differently.

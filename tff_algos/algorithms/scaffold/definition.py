@@ -144,8 +144,7 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
         server_optimizer, state['global_model_weights'],
         state['server_optimizer_state'], state['control_variate'],
         aggregates['model_update'],
-        math.control_variate_delta_sums(
-            aggregates['sums'], state['control_variate'], factored_at),
+        aggregates['sums']['control_variate_delta'],
         aggregates['num_clients'], num_train_clients)
     metrics = collections.OrderedDict()
     if settings.drift_diversity:

@@ -16,11 +16,11 @@ benchmark's first layer: 10 x 21232 floats against 21168 x 64, 0.85 MB
 against 5.4 MB). The client steps on dense weights: each step's g - c_i is
 one product of stacked factors, [A_k; A]^T [D_k; -E], applied as one
 update, then c as a second (c_i - c is never formed, nor the kernel's
-gradient on its own). c_i+ - c_i, which the server sums, is not formed
-from the factors: by the same line 12 it is (x - y) / (K eta) - c, which a
-client sends as its first term (one pass over the kernel, where a product
-of the stacked factors cost more) and the server completes
-(`math.control_variate_delta_sums`).
+gradient on its own); c_i+ - c_i, which the server sums, is one product
+too, [A; A+]^T [-E; E+]. (Line 12's (x - y) / (K eta) - c would be one
+pass less, but its rounding, eps |w| / (K eta) a client, does not cancel
+against the stored factors', and c drifts from the mean of the c_i over
+the rounds: 1e-4 relative after 30 rounds at eta = 0.001.)
 
 A kernel is kept as factors only where that is exact: a plain
 `tf.keras.layers.Dense` of float32 whose kernel has a control variate, in a
@@ -176,12 +176,13 @@ def positions(mask: Sequence[bool], kernels: Sequence[FactoredKernel]
 class _Capture:
   """One factored kernel's layer in a client's model, recording its calls.
 
-  `stacked` holds B + R rows: the current step's input rows [0, B) (zero
-  rows past its batch), then the A of the client's c_i [B, B + R), so one
-  product of it with [D_k; -E] is the step's g - c_i. `round_rows` holds
-  the round's R input rows, batch by batch at the step's place: the A of
-  c_i+. A zero `probe` added to the layer's pre-activations has the loss's
-  gradient there (D_k) as its gradient. Variables, not tensors:
+  `rows` holds B + 2R input rows: the current step's [0, B) (zero rows
+  past its batch), the A of the client's c_i [B, B + R), and the round's,
+  batch by batch at the step's place [B + R, B + 2R): the A of c_i+. So
+  the step's g - c_i is one product of rows [0, B + R) with [D_k; -E], and
+  c_i+ - c_i one of rows [B, B + 2R) with [-E; E+]. A zero `probe` added to
+  the layer's pre-activations has the loss's gradient there (D_k) as its
+  gradient. Variables, not tensors:
   tff.learning's forward pass runs the Keras model inside a tf.function of
   its own, whose tensors the client's step cannot reach; a variable's value
   and gradient cross that boundary.
@@ -191,11 +192,14 @@ class _Capture:
     self.layer = layer
     self.kernel = kernel
     zeros = lambda *shape: tf.Variable(tf.zeros(shape), trainable=False)
-    self.stacked = zeros(kernel.batch + kernel.rows, kernel.inputs)
-    self.round_rows = zeros(kernel.rows, kernel.inputs)
+    self.rows = zeros(kernel.batch + 2 * kernel.rows, kernel.inputs)
     self.probe = zeros(kernel.batch, kernel.units)
     self.step = tf.Variable(0, trainable=False)
     self.calls = tf.Variable(0, trainable=False)
+
+  @property
+  def round_start(self) -> int:
+    return self.kernel.batch + self.kernel.rows
 
   def call(self, inputs, *args, **kwargs):
     """Dense.call for float32 inputs of rank 2 (its ops, in its order),
@@ -220,10 +224,10 @@ class _Capture:
             '--factored_control_variates=false')]
     with tf.control_dependencies(fits):
       padded = tf.pad(inputs, [[0, batch - rows], [0, 0]])
-      first = self.step * batch
       recorded = [
-          _write_rows(self.stacked, 0, padded),
-          _write_rows(self.round_rows, first, padded),
+          _write_rows(self.rows, 0, padded),
+          _write_rows(self.rows, self.round_start + self.step * batch,
+                      padded),
           self.calls.assign_add(1)]
     outputs = tf.matmul(a=inputs, b=layer.kernel)
     if layer.use_bias:
@@ -235,13 +239,15 @@ class _Capture:
     return outputs
 
 
-def _write_rows(variable: tf.Variable, first, rows: tf.Tensor):
+def _write_rows(variable: tf.Variable, first, rows: tf.Tensor
+                ) -> tf.Operation:
   """variable[first:first + len(rows)] = rows, in place.
 
   A scatter: a strided-slice assignment measured 25x slower here (0.2 ms
   for 5 rows of the benchmark's layer)."""
-  return variable.scatter_update(tf.IndexedSlices(
-      rows, tf.range(first, first + tf.shape(rows)[0])))
+  return tf.raw_ops.ResourceScatterUpdate(
+      resource=variable.handle,
+      indices=tf.range(first, first + tf.shape(rows)[0]), updates=rows)
 
 
 _captures = weakref.WeakKeyDictionary()
@@ -273,7 +279,7 @@ def start_client(model, control_variates) -> None:
   steps it did not take.)"""
   for capture, (inputs, _) in zip(captures(model), control_variates,
                                    strict=True):
-    _write_rows(capture.stacked, capture.kernel.batch, inputs)
+    _write_rows(capture.rows, capture.kernel.batch, inputs)
 
 
 def forward_and_gradients(model, batch, variables, step: tf.Tensor):
@@ -308,7 +314,7 @@ def corrected_gradient(capture: _Capture, gradient: tf.Tensor,
                        control_variate) -> tf.Tensor:
   """g - c_i of the step whose pre-activation gradient is `gradient`:
   A_k^T D_k - A^T E, one product."""
-  return tf.matmul(capture.stacked.read_value(),
+  return tf.matmul(capture.rows.read_value()[:capture.round_start],
                    tf.concat([gradient, -control_variate[1]], 0),
                    transpose_a=True)
 
@@ -326,19 +332,36 @@ def new_state(capture: _Capture, step_gradients: tf.Tensor,
   """c_i+ as (A, D / K_i): A^T (D / K_i) is the mean of the K_i
   gradients."""
   kernel = capture.kernel
-  inputs = capture.round_rows.read_value()
-  # Rows past the client's steps hold an earlier client's inputs: zeroed
-  # (a pass over A) only for a client that took fewer than K steps.
-  inputs = tf.cond(
-      num_steps < kernel.steps,
-      lambda: tf.where(
-          tf.range(kernel.rows)[:, None] <
-          tf.cast(num_steps, tf.int32) * kernel.batch,
-          inputs, tf.zeros_like(inputs)),
-      lambda: inputs)
+  steps = tf.cast(num_steps, tf.int32)
+  # The rows past the client's steps hold an earlier client's inputs,
+  # which may not be finite: zeroed, for a client that took fewer than K
+  # steps.
+  end = capture.round_start + kernel.rows
+  first_unused = capture.round_start + steps * kernel.batch
+
+
+  def zero_unused_rows():
+    with tf.control_dependencies([_write_rows(
+        capture.rows, first_unused,
+        tf.zeros([end - first_unused, kernel.inputs]))]):
+      return tf.constant(True)
+
+  zeroed = tf.cond(steps < kernel.steps, zero_unused_rows,
+                   lambda: tf.constant(False))
+  with tf.control_dependencies([zeroed]):
+    inputs = capture.rows.read_value()[capture.round_start:]
   return (inputs,
           tf.reshape(step_gradients, [kernel.rows, -1]) /
           tf.cast(num_steps, tf.float32))
+
+
+def difference(capture: _Capture, new, old) -> tf.Tensor:
+  """c_i+ - c_i = A+^T E+ - A^T E, one product over the rows of both (read
+  after `new_state`), so that c stays the mean of the stored c_i to the
+  rounding of these products."""
+  with tf.control_dependencies([new[0]]):
+    inputs = capture.rows.read_value()[capture.kernel.batch:]
+  return tf.matmul(inputs, tf.concat([-old[1], new[1]], 0), transpose_a=True)
 
 
 def dense(factors) -> tf.Tensor:

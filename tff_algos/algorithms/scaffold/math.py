@@ -304,23 +304,13 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
       measurements['layer_sq_norms'] = layer_squared_norms(model_delta,
                                                            layer_of_variable)
       measurements['model_delta'] = model_delta
-    sums = collections.OrderedDict(control_variate_delta=[
-        None if p in factored_at else n - o
-        for p, (n, o) in enumerate(zip(new_cv, client_cv))])
-    if kernels:
-      # A factored kernel's c_i+ - c_i = (x - y) / (K_i eta) - c (line
-      # 12), formed as -(y - x) / (K_i eta), with the -c taken once at the
-      # server for every client that counts itself here (`clients_updated`):
-      # one pass over the kernel, where the difference of the factors'
-      # products took a product of 2R rows. Exactly zero for a client that
-      # keeps c_i.
-      masked_delta, _ = split_masked(model_delta, mask)
-      scale = tf.where(updated, -1.0 / steps_times_lr, 0.0)
-      for p in factored_at:
-        sums['control_variate_delta'][p] = masked_delta[p] * scale
-      sums['clients_updated'] = tf.cast(updated, tf.float32)
     return round_lib.ClientResult(
-        model_update=model_delta, weight=weight, sums=sums,
+        model_update=model_delta, weight=weight,
+        sums=collections.OrderedDict(control_variate_delta=[
+            _control_variate_delta(
+                updated, n, o,
+                captures[factored_at[p]] if p in factored_at else None)
+            for p, (n, o) in enumerate(zip(new_cv, client_cv))]),
         measurements=measurements,
         metrics=model.report_local_unfinalized_metrics(),
         state=collections.OrderedDict(control_variate=new_cv))
@@ -332,6 +322,18 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
                   lambda model, message, client_state, carry: carry),
         finish=finish)
   return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish)
+
+
+def _control_variate_delta(updated: tf.Tensor, new, old, capture
+                           ) -> tf.Tensor:
+  """c_i+ - c_i; exactly zero for a client that keeps c_i (a product of
+  stacked factors would not cancel exactly). `capture`: the factored
+  kernel's, or None for a dense c_i."""
+  if capture is None:
+    return new - old
+  shape = [capture.kernel.inputs, capture.kernel.units]
+  return tf.cond(updated, lambda: factored.difference(capture, new, old),
+                 lambda: tf.zeros(shape, old[0].dtype))
 
 
 def _unless_untrained(trained: tf.Tensor, new_fn, old: Sequence[tf.Tensor]
@@ -376,20 +378,6 @@ def drift_diversity_metrics(sum_of_sq_norms: tf.Tensor, sum_of_deltas,
 
 # ----------------------------------------------------------------------------
 # Server update.
-
-
-def control_variate_delta_sums(sums, control_variate,
-                               factored_positions: Sequence[int]):
-  """sum_S (c_i+ - c_i) per control variate, from the clients' `sums`.
-
-  A factored kernel's clients send -(y - x) / (K_i eta) and count
-  themselves in `clients_updated`; its sum_S (c_i+ - c_i) is their sum
-  minus that count times c.
-  """
-  deltas = list(sums['control_variate_delta'])
-  for p in factored_positions:
-    deltas[p] = deltas[p] - sums['clients_updated'] * control_variate[p]
-  return deltas
 
 
 def server_update(server_optimizer: tff.learning.optimizers.Optimizer,
