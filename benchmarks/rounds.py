@@ -56,6 +56,7 @@ ratio_naive_over_bound=<(b)/(c)>, the ceiling of (b)/(a) on this task).
   python -m benchmarks.rounds --modes=tff,native --sweep_clients=1000 \
       --clients_per_subround=100 --sweep_algorithms=...  # 1000 clients
   python -m benchmarks.rounds ... --run_root=/dev/shm  # states on a tmpfs
+  python -m benchmarks.rounds ... --repeats=3  # medians of 3 alternated runs
 """
 
 import concurrent.futures
@@ -68,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 from absl import flags
 
@@ -137,6 +139,12 @@ _MODES = flags.DEFINE_list(
     'Which of (a) tff and native, (b) naive, (c) bound and central (mixed '
     'FL\'s central work alone) to measure. The ratio lines need tff, naive '
     'and bound.')
+_REPEATS = flags.DEFINE_integer(
+    'repeats', 1, 'Runs of the whole set of measurements, every other one in '
+    'reverse order (A B, B A, ...). With more than one, each figure is the '
+    'median over the repeats and each ratio to FedAvg the median of the '
+    'repeats\' ratios, with all of them listed: on a noisy machine one pair '
+    'of runs can be off by 20%.')
 _QUICK = flags.DEFINE_boolean(
     'quick', False,
     'Small sizes (10 clients, 1 timed round, no sweep) to check the '
@@ -677,6 +685,7 @@ def run_parent() -> None:
   # never ended (an endless dataset), and a child's refusal was a
   # RuntimeError traceback around its error line.
   for flag, minimum in ((_CLIENT_STEPS, 1), (_CLIENT_BATCH_SIZE, 1),
+                        (_REPEATS, 1),
                         (_NUM_WORKERS, 1), (_CLIENTS_PER_GROUP, 0),
                         (_BOUND_THREADS, 0), (_CLIENTS_PER_SUBROUND, 0),
                         (_NAIVE_MAX_CLIENTS, 0)):
@@ -708,9 +717,8 @@ def run_parent() -> None:
         f'average {_load()}' + (
             f', driver sub-rounds of <= {_CLIENTS_PER_SUBROUND.value} clients'
             if _CLIENTS_PER_SUBROUND.value > 0 else ''), flush=True)
-  headline = {mode: measure(mode, _CLIENTS_PER_ROUND.value)
-              for mode in modes if _mode_runs(mode, 'fedavg')}
-  records = list(headline.values())
+  jobs = [(mode, _CLIENTS_PER_ROUND.value, 'fedavg')
+          for mode in modes if _mode_runs(mode, 'fedavg')]
   for algorithm in _SWEEP_ALGORITHMS.value:
     for clients in sweep:
       for mode in modes:
@@ -720,14 +728,23 @@ def run_parent() -> None:
           continue
         if algorithm == 'fedavg' and clients == _CLIENTS_PER_ROUND.value:
           continue  # The headline runs.
-        records.append(measure(mode, clients, algorithm))
+        jobs.append((mode, clients, algorithm))
   if 'central' in modes and any(a.startswith('mixed')
                                 for a in _SWEEP_ALGORITHMS.value):
     for clients in sweep:
       for mode in ('tff', 'native'):
         if mode in modes:
-          records.append(measure(mode, clients, FEDAVG_ON_MIXED_CLIENTS))
-  print_summary(records, modes)
+          jobs.append((mode, clients, FEDAVG_ON_MIXED_CLIENTS))
+  repeats = []
+  for repeat in range(_REPEATS.value):
+    if _REPEATS.value > 1:
+      print(f'repeat {repeat + 1} of {_REPEATS.value}', flush=True)
+    order = jobs if repeat % 2 == 0 else jobs[::-1]
+    repeats.append([measure(*job) for job in order])
+  records = median_records(repeats)
+  print_summary(records, modes, repeats)
+  headline = {r['mode']: r for r in records if r['algorithm'] == 'fedavg'
+              and r['clients'] == _CLIENTS_PER_ROUND.value}
   if not all(m in modes for m in ('tff', 'naive', 'bound')):
     return  # The ratio lines compare these three.
   tff_s, naive_s, bound_s = (headline[m]['seconds_per_round']
@@ -747,10 +764,48 @@ def run_parent() -> None:
         f'peak_rss_mb={headline["tff"]["peak_rss_mb"]:.0f}')
 
 
-def print_summary(records: list[dict], modes: list[str]) -> None:
+def _key(record: dict) -> tuple:
+  return (record['algorithm'], record['mode'], record['clients'])
+
+
+def median_records(repeats: list[list[dict]]) -> list[dict]:
+  """One record per measurement: its round time and peak RSS, the medians
+  over the repeats (the record itself for one repeat)."""
+  if len(repeats) == 1:
+    return repeats[0]
+  by_key = {}
+  for records in repeats:
+    for record in records:
+      by_key.setdefault(_key(record), []).append(record)
+  return [dict(runs[0], **{
+      field: statistics.median(r[field] for r in runs)
+      for field in ('seconds_per_round', 'peak_rss_mb', 'peak_python_mb',
+                    'peak_workers_mb')}) for runs in by_key.values()]
+
+
+def _ratio_to_fedavg(record: dict, repeats: list[list[dict]]) -> str:
+  """The record's round time over FedAvg's in the same mode and cohort
+  size: with repeats, the median of each repeat's ratio, and the ratios."""
+  algorithm, mode, clients = _key(record)
+  ratios = []
+  for records in repeats:
+    by_key = {_key(r): r for r in records}
+    ratios.append(by_key[_key(record)]['seconds_per_round'] /
+                  by_key[('fedavg', mode, clients)]['seconds_per_round'])
+  if len(ratios) == 1:
+    return f'x{ratios[0]:.2f}'
+  return (f'x{statistics.median(ratios):.2f} (median of '
+          + ', '.join(f'x{r:.2f}' for r in ratios) + ')')
+
+
+def print_summary(records: list[dict], modes: list[str],
+                  repeats: Optional[list[list[dict]]] = None) -> None:
   """The rounds/s table and each algorithm's cost over FedAvg's."""
+  repeats = repeats or [records]
   print(f'\nrounds/s (peak RSS MB), K={_CLIENT_STEPS.value}, '
-        f'B={_CLIENT_BATCH_SIZE.value}; load average at the end {_load()}')
+        f'B={_CLIENT_BATCH_SIZE.value}; load average at the end {_load()}'
+        + (f'; medians over {len(repeats)} repeats' if len(repeats) > 1
+           else ''))
   columns = sorted({(r['algorithm'], r['mode']) for r in records},
                    key=lambda c: (c[0] != 'fedavg', c[0], MODES.index(c[1])))
   print('| clients/round | ' + ' | '.join(
@@ -771,7 +826,7 @@ def print_summary(records: list[dict], modes: list[str]) -> None:
       continue
     ratios.append(
         f'  {algorithm} / fedavg, {mode}, {clients} clients: round time '
-        f'x{record["seconds_per_round"] / fedavg["seconds_per_round"]:.2f}, '
+        f'{_ratio_to_fedavg(record, repeats)}, '
         f'peak RSS x{record["peak_rss_mb"] / fedavg["peak_rss_mb"]:.2f} '
         f'({record["peak_rss_mb"]:.0f} MB)')
   if ratios:

@@ -60,6 +60,7 @@ def test_quick_run_prints_the_ratios_line(rounds):
     ('--clients_per_subround=-5', '--clients_per_subround must be >= 0, got '
      '-5'),
     ('--naive_max_clients=-1', '--naive_max_clients must be >= 0, got -1'),
+    ('--repeats=0', '--repeats must be >= 1, got 0'),
 ])
 def test_impossible_values_are_one_clear_error(rounds, flag, message):
   result = rounds('--quick', flag)
@@ -254,6 +255,30 @@ def test_fused_floor_prints_each_floors_ratio(c_floor):
   assert re.search(r'error: --clients_per_round=100000 .* needs about '
                    r'1253\.3 GB of RAM, [0-9.]+ GB is available',
                    too_large.stderr), too_large.stderr
+
+
+def test_repeats_alternate_and_report_the_median_ratio(rounds):
+  result = rounds('--quick', '--modes=native', '--clients_per_round=3',
+                  '--population=6', '--sweep_clients=3',
+                  '--sweep_algorithms=fedavg,fedprox', '--repeats=2')
+  assert result.returncode == 0, result.stderr[-3000:]
+  measured = re.findall(r'^\s*native\s+(\w+)\s+3 clients:\s+([\d.]+) s/round',
+                        result.stdout, re.MULTILINE)
+  # The second repeat runs the first's measurements in reverse order.
+  assert [a for a, _ in measured] == ['fedavg', 'fedprox', 'fedprox',
+                                      'fedavg'], result.stdout
+  seconds = {a: [float(t) for b, t in measured if b == a]
+             for a in ('fedavg', 'fedprox')}
+  ratio = re.search(r'fedprox / fedavg, native, 3 clients: round time '
+                    r'x([\d.]+) \(median of x([\d.]+), x([\d.]+)\)',
+                    result.stdout)
+  assert ratio, result.stdout
+  want = [seconds['fedprox'][0] / seconds['fedavg'][0],
+          seconds['fedprox'][1] / seconds['fedavg'][1]]
+  # The printed seconds are rounded to 1 ms.
+  for got, expected in zip(map(float, ratio.groups()[1:]), want):
+    assert abs(got - expected) < 0.05 * expected + 0.01
+  assert 'medians over 2 repeats' in result.stdout
 
 
 def test_central_mode_times_mixed_fl_central_work_alone(rounds):
