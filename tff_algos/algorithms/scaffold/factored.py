@@ -182,10 +182,9 @@ class _Capture:
   the step's g - c_i is one product of rows [0, B + R) with [D_k; -E], and
   c_i+ - c_i one of rows [B, B + 2R) with [-E; E+]. A zero `probe` added to
   the layer's pre-activations has the loss's gradient there (D_k) as its
-  gradient. Variables, not tensors:
-  tff.learning's forward pass runs the Keras model inside a tf.function of
-  its own, whose tensors the client's step cannot reach; a variable's value
-  and gradient cross that boundary.
+  gradient. Variables, not tensors: tff.learning's forward pass runs the
+  Keras model inside a tf.function of its own, whose tensors the client's
+  step cannot reach; a variable's value and gradient cross that boundary.
   """
 
   def __init__(self, layer, kernel: FactoredKernel):
@@ -338,7 +337,6 @@ def new_state(capture: _Capture, step_gradients: tf.Tensor,
   # steps.
   end = capture.round_start + kernel.rows
   first_unused = capture.round_start + steps * kernel.batch
-
 
   def zero_unused_rows():
     with tf.control_dependencies([_write_rows(
