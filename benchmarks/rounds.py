@@ -811,7 +811,7 @@ def print_summary(records: list[dict], modes: list[str],
   print('| clients/round | ' + ' | '.join(
       f'{a} {m}' for a, m in columns) + ' |')
   print('|---' * (len(columns) + 1) + '|')
-  by_key = {(r['algorithm'], r['mode'], r['clients']): r for r in records}
+  by_key = {_key(r): r for r in records}
   for clients in sorted({r['clients'] for r in records}):
     cells = []
     for algorithm, mode in columns:
