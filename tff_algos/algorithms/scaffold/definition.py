@@ -160,7 +160,7 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
   if kernels:
     def client_context():
       model = model_fn()
-      factored.install(model, kernels)
+      factored.install(model, kernels, settings.client_learning_rate)
       return model
     fields['client_context'] = client_context
 

@@ -13,14 +13,24 @@ R * (inputs + units) numbers where the kernel has inputs * units. With
 inputs * units / (inputs + units) the factors are the smaller form, and the
 client's state file, its reads, writes and checksums shrink with them (the
 benchmark's first layer: 10 x 21232 floats against 21168 x 64, 0.85 MB
-against 5.4 MB). The client steps on dense weights: each step's g - c_i is
-one product of stacked factors, [A_k; A]^T [D_k; -E], applied as one
-update, then c as a second (c_i - c is never formed, nor the kernel's
-gradient on its own); c_i+ - c_i, which the server sums, is one product
-too, [A; A+]^T [-E; E+]. (Line 12's (x - y) / (K eta) - c would be one
-pass less, but its rounding, eps |w| / (K eta) a client, does not cancel
-against the stored factors', and c drifts from the mean of the c_i over
-the rounds: 1e-4 relative after 30 rounds at eta = 0.001.)
+against 5.4 MB).
+
+The client's steps never form the kernel's update either. With plain SGD
+the kernel at step k is
+W_k = x - eta sum_{j<k} A_j^T D_j + k eta A^T E - k eta c,
+so the layer computes its pre-activations inputs W_k as
+inputs x - k eta (inputs c) + (inputs [A; A_0..A_{k-1}]^T)
+[k eta E; -eta D_0..D_{k-1}]: two products of the step's B rows with a
+kernel-sized matrix, as a forward pass has one, and products of B rows
+with at most 2R. The kernel variable keeps x all round; nothing kernel-sized
+is differentiated, updated or written per step. At the end, c_i+ - c_i,
+which the server sums, is one product of stacked factors, [A; A+]^T
+[-E; E+], and the kernel's y - x follows from it: line 12 solved for y,
+y - x = -K eta (c_i+ - c_i + c). (The other way round, the sum of
+c_i+ - c_i from a y the steps formed, (x - y) / (K eta) - c, has a
+rounding of eps |w| / (K eta) a client that does not cancel against the
+stored factors', and c drifts from the mean of the c_i over the rounds:
+1e-4 relative after 30 rounds at eta = 0.001.)
 
 A kernel is kept as factors only where that is exact: a plain
 `tf.keras.layers.Dense` of float32 whose kernel has a control variate, in a
@@ -29,9 +39,8 @@ gradient at the kernel), with Option II and --client_steps, and whose
 kernel one traced forward pass reads exactly once, as the right operand of
 a product with float32 inputs of one row per example (`_single_products`).
 Each step checks that the layer ran once, on at most B rows, within K
-steps. In floats, A^T E rounds differently from
-c_i - c + (x - y) / (K eta); `--factored_control_variates=false` keeps
-every c_i dense.
+steps. In floats, these products round differently from dense steps;
+`--factored_control_variates=false` keeps every c_i and step dense.
 """
 
 import dataclasses
@@ -64,10 +73,6 @@ class FactoredKernel:
 
   def zeros(self) -> tuple[tf.Tensor, tf.Tensor]:
     return tuple(tf.zeros(s.shape, s.dtype) for s in self.specs())
-
-  def step_gradients(self) -> tf.Tensor:
-    """A round's gradients at the pre-activations, step by step."""
-    return tf.zeros([self.steps, self.batch, self.units])
 
 
 def _dense_layers(keras_model) -> list:
@@ -174,35 +179,43 @@ def positions(mask: Sequence[bool], kernels: Sequence[FactoredKernel]
 
 
 class _Capture:
-  """One factored kernel's layer in a client's model, recording its calls.
+  """One factored kernel's layer in a client's model, computing its calls
+  from the round's factors.
 
-  `rows` holds B + 2R input rows: the current step's [0, B) (zero rows
-  past its batch), the A of the client's c_i [B, B + R), and the round's,
-  batch by batch at the step's place [B + R, B + 2R): the A of c_i+. So
-  the step's g - c_i is one product of rows [0, B + R) with [D_k; -E], and
-  c_i+ - c_i one of rows [B, B + 2R) with [-E; E+]. A zero `probe` added to
-  the layer's pre-activations has the loss's gradient there (D_k) as its
-  gradient. Variables, not tensors: tff.learning's forward pass runs the
-  Keras model inside a tf.function of its own, whose tensors the client's
-  step cannot reach; a variable's value and gradient cross that boundary.
+  `rows` holds 2R input rows: the A of the client's c_i [0, R), then the
+  round's, batch by batch at the step's place [R, 2R): the A of c_i+.
+  `right` holds the matching right factors: c_i's E, then each step's raw
+  D_k. The kernel variable keeps the server's x all round: at step k the
+  layer computes inputs W_k with
+  W_k = x - eta sum_{j<k} A_j^T D_j + k eta A^T E - k eta c, as
+  inputs x - k eta (inputs c) + (inputs [A; A_0..A_{k-1}]^T)
+  [k eta E; -eta D_0..D_{k-1}], which never forms a kernel-sized update.
+  A zero `probe` added to the layer's pre-activations has the loss's
+  gradient there (D_k) as its gradient. Variables, not tensors:
+  tff.learning's forward pass runs the Keras model inside a tf.function of
+  its own, whose tensors the client's step cannot reach; a variable's value
+  and gradient cross that boundary.
   """
 
-  def __init__(self, layer, kernel: FactoredKernel):
+  def __init__(self, layer, kernel: FactoredKernel, learning_rate: float):
     self.layer = layer
     self.kernel = kernel
+    self.learning_rate = float(learning_rate)
     zeros = lambda *shape: tf.Variable(tf.zeros(shape), trainable=False)
-    self.rows = zeros(kernel.batch + 2 * kernel.rows, kernel.inputs)
+    self.rows = zeros(2 * kernel.rows, kernel.inputs)
+    self.right = zeros(2 * kernel.rows, kernel.units)
+    self.server_control_variate = zeros(kernel.inputs, kernel.units)
     self.probe = zeros(kernel.batch, kernel.units)
     self.step = tf.Variable(0, trainable=False)
     self.calls = tf.Variable(0, trainable=False)
 
-  @property
-  def round_start(self) -> int:
-    return self.kernel.batch + self.kernel.rows
+  def step_start(self, step) -> tf.Tensor:
+    """The first row of step `step`'s batch in `rows` and `right`."""
+    return self.kernel.rows + step * self.kernel.batch
 
   def call(self, inputs, *args, **kwargs):
-    """Dense.call for float32 inputs of rank 2 (its ops, in its order),
-    plus the probe."""
+    """Dense.call for float32 inputs of rank 2 at the step's weights W_k
+    (its ops, in its order), plus the probe."""
     del args, kwargs  # Dense.call takes none.
     layer, batch = self.layer, self.kernel.batch
     inputs = tf.convert_to_tensor(inputs)
@@ -212,23 +225,26 @@ class _Capture:
           f'{inputs.shape}, not float32 of rank 2; pass '
           '--factored_control_variates=false')
     rows = tf.shape(inputs)[0]
+    step = self.step.read_value()
     fits = [
         tf.debugging.assert_less_equal(
             rows, batch, message=f'Dense layer {layer.name} got a batch of '
             f'more than --client_batch_size={batch} rows; pass '
             '--factored_control_variates=false'),
         tf.debugging.assert_less(
-            self.step, self.kernel.steps, message='a client took more than '
+            step, self.kernel.steps, message='a client took more than '
             f'--client_steps={self.kernel.steps} steps; pass '
             '--factored_control_variates=false')]
     with tf.control_dependencies(fits):
-      padded = tf.pad(inputs, [[0, batch - rows], [0, 0]])
+      outputs = tf.matmul(a=inputs, b=layer.kernel)
+      # Step 0 is at x itself.
+      outputs = tf.cond(step > 0,
+                        lambda: outputs + self._update_product(inputs, step),
+                        lambda: outputs)
       recorded = [
-          _write_rows(self.rows, 0, padded),
-          _write_rows(self.rows, self.round_start + self.step * batch,
-                      padded),
+          _write_rows(self.rows, self.step_start(step),
+                      tf.pad(inputs, [[0, batch - rows], [0, 0]])),
           self.calls.assign_add(1)]
-    outputs = tf.matmul(a=inputs, b=layer.kernel)
     if layer.use_bias:
       outputs = tf.nn.bias_add(outputs, layer.bias)
     with tf.control_dependencies(recorded):
@@ -236,6 +252,20 @@ class _Capture:
     if layer.activation is not None:
       outputs = layer.activation(outputs)
     return outputs
+
+  def _update_product(self, inputs, step) -> tf.Tensor:
+    """inputs (W_k - x), from the factors of the client's earlier steps."""
+    eta = self.learning_rate
+    steps_times_eta = tf.cast(step, tf.float32) * eta
+    known = self.step_start(step)  # c_i's rows and the earlier steps'.
+    scale = tf.concat([tf.fill([self.kernel.rows], steps_times_eta),
+                       tf.fill([known - self.kernel.rows], -eta)], 0)
+    right = self.right.read_value()[:known] * scale[:, None]
+    low_rank = tf.matmul(
+        tf.matmul(inputs, self.rows.read_value()[:known], transpose_b=True),
+        right)
+    return low_rank - steps_times_eta * tf.matmul(
+        inputs, self.server_control_variate)
 
 
 def _write_rows(variable: tf.Variable, first, rows: tf.Tensor
@@ -252,8 +282,10 @@ def _write_rows(variable: tf.Variable, first, rows: tf.Tensor
 _captures = weakref.WeakKeyDictionary()
 
 
-def install(model, kernels: Sequence[FactoredKernel]) -> None:
-  """Makes `kernels`' layers of this client model record their calls.
+def install(model, kernels: Sequence[FactoredKernel],
+            learning_rate: float) -> None:
+  """Makes `kernels`' layers of this client model compute their calls from
+  the round's factors (plain SGD at `learning_rate`).
 
   Called where the client's model is built (its variables are made there,
   outside any loop)."""
@@ -262,7 +294,7 @@ def install(model, kernels: Sequence[FactoredKernel]) -> None:
   layers = _kernel_layers(model)
   found = []
   for kernel in kernels:
-    capture = _Capture(layers[kernel.variable_index], kernel)
+    capture = _Capture(layers[kernel.variable_index], kernel, learning_rate)
     capture.layer.call = capture.call
     found.append(capture)
   _captures[model] = found
@@ -272,20 +304,23 @@ def captures(model) -> list[_Capture]:
   return _captures.get(model, [])
 
 
-def start_client(model, control_variates) -> None:
-  """A client's first rows: its c_i's A after the step's rows. (The
-  round's rows are written by its steps; `new_state` zeroes the rows of
-  steps it did not take.)"""
-  for capture, (inputs, _) in zip(captures(model), control_variates,
-                                   strict=True):
-    _write_rows(capture.rows, capture.kernel.batch, inputs)
+def start_client(model, control_variates, server_control_variates) -> None:
+  """A client's first rows: its c_i's factors, and c. (The round's rows
+  are written by its steps; `new_state` zeroes the rows of steps it did
+  not take.)"""
+  for capture, (inputs, gradients), server in zip(
+      captures(model), control_variates, server_control_variates,
+      strict=True):
+    _write_rows(capture.rows, 0, inputs)
+    _write_rows(capture.right, 0, gradients)
+    capture.server_control_variate.assign(server)
 
 
 def forward_and_gradients(model, batch, variables, step: tf.Tensor):
-  """The training forward pass of `batch` as the client's step `step`, the
-  gradients of its loss at `variables` and, per captured layer, the loss's
-  gradient at its pre-activations ([batch, units], zero rows past the
-  batch). Checks that each captured layer ran once."""
+  """The training forward pass of `batch` as the client's step `step` and
+  the gradients of its loss at `variables`; records, per captured layer,
+  the loss's gradient at its pre-activations ([batch, units], zero rows
+  past the batch). Checks that each captured layer ran once."""
   found = captures(model)
   for capture in found:
     capture.calls.assign(0)
@@ -296,7 +331,6 @@ def forward_and_gradients(model, batch, variables, step: tf.Tensor):
     output = model.forward_pass(batch, training=True)
   gradients = tape.gradient(output.loss,
                             list(variables) + [c.probe for c in found])
-  probe_gradients = []
   for capture, gradient in zip(found, gradients[len(variables):]):
     once = tf.debugging.assert_equal(
         capture.calls, 1, message=f'Dense layer {capture.layer.name} ran '
@@ -305,52 +339,37 @@ def forward_and_gradients(model, batch, variables, step: tf.Tensor):
     if gradient is None:  # The layer does not reach the loss.
       gradient = tf.zeros_like(capture.probe)
     with tf.control_dependencies([once]):
-      probe_gradients.append(tf.identity(gradient))
-  return output, gradients[:len(variables)], probe_gradients
+      _write_rows(capture.right, capture.step_start(tf.cast(step, tf.int32)),
+                  gradient)
+  return output, gradients[:len(variables)]
 
 
-def corrected_gradient(capture: _Capture, gradient: tf.Tensor,
-                       control_variate) -> tf.Tensor:
-  """g - c_i of the step whose pre-activation gradient is `gradient`:
-  A_k^T D_k - A^T E, one product."""
-  return tf.matmul(capture.rows.read_value()[:capture.round_start],
-                   tf.concat([gradient, -control_variate[1]], 0),
-                   transpose_a=True)
-
-
-def record_gradient(step_gradients: tf.Tensor, gradient: tf.Tensor,
-                    step: tf.Tensor) -> tf.Tensor:
-  """The round's gradients at the pre-activations, [steps, batch, units]."""
-  return tf.tensor_scatter_nd_update(
-      step_gradients, tf.reshape(tf.cast(step, tf.int32), [1, 1]),
-      gradient[None])
-
-
-def new_state(capture: _Capture, step_gradients: tf.Tensor,
-              num_steps: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def new_state(capture: _Capture, num_steps: tf.Tensor
+              ) -> tuple[tf.Tensor, tf.Tensor]:
   """c_i+ as (A, D / K_i): A^T (D / K_i) is the mean of the K_i
   gradients."""
   kernel = capture.kernel
   steps = tf.cast(num_steps, tf.int32)
-  # The rows past the client's steps hold an earlier client's inputs,
-  # which may not be finite: zeroed, for a client that took fewer than K
-  # steps.
-  end = capture.round_start + kernel.rows
-  first_unused = capture.round_start + steps * kernel.batch
+  # The rows past the client's steps hold an earlier client's, which may
+  # not be finite: zeroed, for a client that took fewer than K steps.
+  end = 2 * kernel.rows
+  first_unused = capture.step_start(steps)
 
   def zero_unused_rows():
-    with tf.control_dependencies([_write_rows(
-        capture.rows, first_unused,
-        tf.zeros([end - first_unused, kernel.inputs]))]):
+    unused = end - first_unused
+    with tf.control_dependencies([
+        _write_rows(capture.rows, first_unused,
+                    tf.zeros([unused, kernel.inputs])),
+        _write_rows(capture.right, first_unused,
+                    tf.zeros([unused, kernel.units]))]):
       return tf.constant(True)
 
   zeroed = tf.cond(steps < kernel.steps, zero_unused_rows,
                    lambda: tf.constant(False))
   with tf.control_dependencies([zeroed]):
-    inputs = capture.rows.read_value()[capture.round_start:]
-  return (inputs,
-          tf.reshape(step_gradients, [kernel.rows, -1]) /
-          tf.cast(num_steps, tf.float32))
+    inputs = capture.rows.read_value()[kernel.rows:]
+    gradients = capture.right.read_value()[kernel.rows:]
+  return inputs, gradients / tf.cast(num_steps, tf.float32)
 
 
 def difference(capture: _Capture, new, old) -> tf.Tensor:
@@ -358,8 +377,16 @@ def difference(capture: _Capture, new, old) -> tf.Tensor:
   after `new_state`), so that c stays the mean of the stored c_i to the
   rounding of these products."""
   with tf.control_dependencies([new[0]]):
-    inputs = capture.rows.read_value()[capture.kernel.batch:]
+    inputs = capture.rows.read_value()
   return tf.matmul(inputs, tf.concat([-old[1], new[1]], 0), transpose_a=True)
+
+
+def model_update(difference_: tf.Tensor, server_control_variate: tf.Tensor,
+                 num_steps: tf.Tensor, learning_rate: float) -> tf.Tensor:
+  """The kernel's y - x = -K_i eta (c_i+ - c_i + c) ([SCAFFOLD] Alg. 1
+  line 12 solved for y): the steps never formed y."""
+  return (-tf.cast(num_steps, tf.float32) * learning_rate) * (
+      difference_ + server_control_variate)
 
 
 def dense(factors) -> tf.Tensor:

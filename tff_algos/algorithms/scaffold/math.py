@@ -175,9 +175,10 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
             client_state['control_variate'][p] -
             message['control_variate'][p] for p in dense_positions))
     if kernels:
-      factored.start_client(model, [client_state['control_variate'][p]
-                                    for p in kernel_positions])
-      carry['step_gradients'] = tuple(k.step_gradients() for k in kernels)
+      factored.start_client(
+          model, [client_state['control_variate'][p]
+                  for p in kernel_positions],
+          [message['control_variate'][p] for p in kernel_positions])
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       carry['gradient_sums'] = tuple(zeros_like_specs(masked_specs_))
       carry['gradient_examples'] = tf.constant(0.0)
@@ -212,15 +213,14 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   def train_step(model, message, client_state, carry, batch):
     trainable = list(ModelWeights.from_model(model).trainable)
     num_steps = carry['num_steps']
-    # The factored kernels' gradients are not taken: each step forms its
-    # g - c_i as one product of its factors (`factored`), from the
-    # gradient at the layer's pre-activations, which comes from the same
-    # backward pass as the other variables' gradients.
+    # The factored kernels are neither differentiated nor updated: their
+    # layers compute each step's W_k from the round's factors (`factored`),
+    # which the step records: the gradient at the layer's pre-activations
+    # comes from the same backward pass as the other variables' gradients.
     differentiated = [v for i, v in enumerate(trainable)
                       if i not in factored_variables]
-    output, gradients, preactivation_gradients = (
-        factored.forward_and_gradients(model, batch, differentiated,
-                                       num_steps))
+    output, gradients = factored.forward_and_gradients(
+        model, batch, differentiated, num_steps)
     gradients = iter(gradients)
     gradients = [None if i in factored_variables else next(gradients)
                  for i in range(len(trainable))]
@@ -230,18 +230,6 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     _, unmasked_grads = split_masked(gradients, mask)
     sgd_step.corrected_sgd_step(dense_vars, dense_grads, learning_rate,
                                 carry['client_minus_server'])
-    step_gradients = []
-    for kernel, position, capture, gradient, all_gradients in zip(
-        kernels, kernel_positions, factored.captures(model),
-        preactivation_gradients, carry.get('step_gradients', ())):
-      # w <- w - eta (g - c_i), then w - eta c.
-      sgd_step.sgd_step(
-          [trainable[kernel.variable_index]] * 2,
-          [factored.corrected_gradient(
-              capture, gradient, client_state['control_variate'][position]),
-           message['control_variate'][position]], learning_rate)
-      step_gradients.append(
-          factored.record_gradient(all_gradients, gradient, num_steps))
     optimizer_state = carry['optimizer_state']
     if has_unmasked:
       optimizer_state, updated = client_optimizer.next(
@@ -253,18 +241,19 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     carry['num_examples'] = carry['num_examples'] + tf.cast(
         output.num_examples, tf.int64)
     carry['optimizer_state'] = optimizer_state
-    if kernels:
-      carry['step_gradients'] = tuple(step_gradients)
     return carry
 
   def finish(model, message, client_state, carry):
     x = message['global_model_weights']
     client_cv = client_state['control_variate']
     trainable = list(ModelWeights.from_model(model).trainable)
-    model_delta = [v - w for v, w in zip(trainable, x.trainable)]
+    # The factored kernels' y - x come from their factors, below.
+    model_delta = [None if i in factored_variables else v - w
+                   for i, (v, w) in enumerate(zip(trainable, x.trainable))]
     num_steps = carry['num_steps']
     trained = num_steps > 0
     captures = factored.captures(model)
+    differences = []  # The factored kernels' c_i+ - c_i.
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       new_cv = _unless_untrained(trained, lambda: list(carry['gradient_at_x']),
                                  client_cv)
@@ -276,17 +265,34 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
 
       def new_control_variate(position, delta):
         if position in factored_at:  # The mean gradient A^T (D / K_i).
-          j = factored_at[position]
-          return factored.new_state(captures[j], carry['step_gradients'][j],
+          return factored.new_state(captures[factored_at[position]],
                                     num_steps)
         # c_i+ = c_i - c + (x - y) / (K_i * eta); x - y = -delta.
         return client_minus_server[position] - delta / steps_times_lr
 
-      new_cv = _unless_untrained(
-          trained,
-          lambda: [new_control_variate(p, d)
-                   for p, d in enumerate(masked_delta)],
-          client_cv)
+      def new_control_variates():
+        return [new_control_variate(p, d) for p, d in enumerate(masked_delta)]
+
+      if kernels:
+        def trained_client():
+          new = new_control_variates()
+          found = [factored.difference(capture, new[p], client_cv[p])
+                   for capture, p in zip(captures, kernel_positions)]
+          return new, found, [
+              factored.model_update(d, message['control_variate'][p],
+                                    num_steps, learning_rate)
+              for d, p in zip(found, kernel_positions)]
+
+        def untrained_client():
+          zeros = [tf.zeros([k.inputs, k.units]) for k in kernels]
+          return list(client_cv), zeros, zeros
+
+        new_cv, differences, kernel_deltas = tf.cond(
+            trained, trained_client, untrained_client)
+        for kernel, delta in zip(kernels, kernel_deltas):
+          model_delta[kernel.variable_index] = delta
+      else:
+        new_cv = _unless_untrained(trained, new_control_variates, client_cv)
     # A client whose update or c_i+ is not finite (it diverged) is dropped
     # as FedAvg drops it (`non_finite`), and keeps its c_i.
     (model_delta, new_cv), dropped = non_finite.zero_all_if_any_non_finite(
@@ -309,7 +315,7 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         sums=collections.OrderedDict(control_variate_delta=[
             _control_variate_delta(
                 updated, n, o,
-                captures[factored_at[p]] if p in factored_at else None)
+                differences[factored_at[p]] if p in factored_at else None)
             for p, (n, o) in enumerate(zip(new_cv, client_cv))]),
         measurements=measurements,
         metrics=model.report_local_unfinalized_metrics(),
@@ -324,16 +330,15 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish)
 
 
-def _control_variate_delta(updated: tf.Tensor, new, old, capture
-                           ) -> tf.Tensor:
+def _control_variate_delta(updated: tf.Tensor, new, old,
+                           difference: Optional[tf.Tensor]) -> tf.Tensor:
   """c_i+ - c_i; exactly zero for a client that keeps c_i (a product of
-  stacked factors would not cancel exactly). `capture`: the factored
-  kernel's, or None for a dense c_i."""
-  if capture is None:
+  stacked factors would not cancel exactly). `difference`: a factored
+  kernel's product of factors, or None for a dense c_i."""
+  if difference is None:
     return new - old
-  shape = [capture.kernel.inputs, capture.kernel.units]
-  return tf.cond(updated, lambda: factored.difference(capture, new, old),
-                 lambda: tf.zeros(shape, old[0].dtype))
+  return tf.cond(updated, lambda: difference,
+                 lambda: tf.zeros_like(difference))
 
 
 def _unless_untrained(trained: tf.Tensor, new_fn, old: Sequence[tf.Tensor]
