@@ -148,6 +148,25 @@ def test_factored_control_variates_compute_the_dense_rounds(run, runtime):
   assert np.abs(dense.result.server_state['control_variate'][0]).max() > 0.05
 
 
+@pytest.mark.parametrize('shifts', [0, 1])
+def test_steps_past_the_shifted_kernels_compute_the_dense_rounds(
+    run, monkeypatch, shifts):
+  # Room for `shifts` of the K - 1 = 2 kernels x - k eta c: the later steps
+  # take the product of their batch with c instead.
+  monkeypatch.setattr(factored, 'SHIFTED_KERNELS_BYTES',
+                      shifts * 4 * INPUTS * UNITS)
+  dense = run('dense_native', 'scaffold', rounds=3, runtime='native',
+              factored_control_variates=False)
+  factors = run(f'factored_shifts_{shifts}', 'scaffold', rounds=3,
+                runtime='native')
+  tolerance = dict(rtol=1e-5, atol=1e-6)
+  for a, b in zip(lib.weights(factors), lib.weights(dense), strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+  for a, b in zip(factors.result.server_state['control_variate'],
+                  dense.result.server_state['control_variate'], strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+
+
 @pytest.mark.parametrize('runtime', ['tff', 'native'])
 def test_a_stored_factor_holds_the_clients_own_rows(run, runtime):
   # A = the inputs of the client's steps, batch by batch at the step's

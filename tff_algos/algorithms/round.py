@@ -76,7 +76,8 @@ class ClientWork:
   Option I and FedResSGD/Avg twice); each pass draws the batches a fresh
   iteration of the client's dataset draws (so a shuffled dataset reshuffles).
   The runtime streams the batches of a whole group of clients through one
-  pipeline and calls, per client:
+  pipeline and calls, once per group, `prepare(context, message)` (if
+  given), then per client:
 
     carry = start(context, message, client_state)
     for each pass p: for each batch: carry = steps[p](context, message,
@@ -94,6 +95,9 @@ class ClientWork:
   steps: tuple[Callable[[Any, Any, Any, Any, Any], Any], ...]
   finish: Callable[[Any, Any, Any, Any], 'ClientResult']
   end_pass: Optional[tuple[Callable[[Any, Any, Any, Any], Any], ...]] = None
+  # Sets context variables that stay the same for every client of a group
+  # (values of the message that no client changes), once per group.
+  prepare: Optional[Callable[[Any, Any], None]] = None
 
   @property
   def passes(self) -> int:

@@ -159,6 +159,8 @@ def build_group_update(definition: round_lib.RoundDefinition,
       if per_client:
         tf.debugging.assert_equal(tf.size(group['ids']), 1,
                                   'a per-client group holds one client')
+      if work.prepare is not None:
+        work.prepare(context, message)
       # Values of the loop's structure: the first client's initial state and
       # carry, and zeros shaped like a client's contribution.
       first_state = read_state(group, 0)

@@ -97,6 +97,10 @@ def _kernel_layers(model) -> dict[int, tf.keras.layers.Dense]:
           if layer.kernel.ref() in index}
 
 
+# The most that one kernel's shifts x - k eta c may take in a client's
+# model (`_Capture`); steps past them take one more product of their batch.
+SHIFTED_KERNELS_BYTES = 64 << 20
+
 # A batch size the probe trace below gives the model: a layer whose input
 # has another number of rows does not see one row per example.
 _PROBE_ROWS = 7
@@ -188,8 +192,12 @@ class _Capture:
   D_k. The kernel variable keeps the server's x all round: at step k the
   layer computes inputs W_k with
   W_k = x - eta sum_{j<k} A_j^T D_j + k eta A^T E - k eta c, as
-  inputs x - k eta (inputs c) + (inputs [A; A_0..A_{k-1}]^T)
-  [k eta E; -eta D_0..D_{k-1}], which never forms a kernel-sized update.
+  inputs (x - k eta c) + (inputs [A; A_0..A_{k-1}]^T)
+  [k eta E; -eta D_0..D_{k-1}], which never forms a kernel-sized update:
+  x - k eta c is the same for every client of a group, and `shifted` holds
+  it for k = 1..J, set once per group (`start_group`). J is K - 1 unless
+  those J kernels would take more than `SHIFTED_KERNELS_BYTES`; a step past
+  J computes inputs (x - J eta c) - (k - J) eta (inputs c).
   A zero `probe` added to the layer's pre-activations has the loss's
   gradient there (D_k) as its gradient. Variables, not tensors:
   tff.learning's forward pass runs the Keras model inside a tf.function of
@@ -204,7 +212,15 @@ class _Capture:
     zeros = lambda *shape: tf.Variable(tf.zeros(shape), trainable=False)
     self.rows = zeros(2 * kernel.rows, kernel.inputs)
     self.right = zeros(2 * kernel.rows, kernel.units)
-    self.server_control_variate = zeros(kernel.inputs, kernel.units)
+    kernel_bytes = 4 * kernel.inputs * kernel.units
+    self.shifted = [
+        zeros(kernel.inputs, kernel.units)
+        for _ in range(min(kernel.steps - 1,
+                           SHIFTED_KERNELS_BYTES // kernel_bytes))]
+    # c itself, for the steps past the shifted kernels.
+    self.server_control_variate = (
+        zeros(kernel.inputs, kernel.units)
+        if len(self.shifted) < kernel.steps - 1 else None)
     self.probe = zeros(kernel.batch, kernel.units)
     self.step = tf.Variable(0, trainable=False)
     self.calls = tf.Variable(0, trainable=False)
@@ -236,7 +252,7 @@ class _Capture:
             f'--client_steps={self.kernel.steps} steps; pass '
             '--factored_control_variates=false')]
     with tf.control_dependencies(fits):
-      outputs = tf.matmul(a=inputs, b=layer.kernel)
+      outputs = self._shifted_product(inputs, step)
       # Step 0 is at x itself.
       outputs = tf.cond(step > 0,
                         lambda: outputs + self._update_product(inputs, step),
@@ -253,19 +269,38 @@ class _Capture:
       outputs = layer.activation(outputs)
     return outputs
 
+  def _shifted_product(self, inputs, step) -> tf.Tensor:
+    """inputs (x - k eta c)."""
+    kernels = [self.layer.kernel] + self.shifted
+    shifts = len(self.shifted)
+    shift = tf.minimum(step, shifts)
+    outputs = _switch(shift, [lambda v=v: tf.matmul(inputs, v)
+                              for v in kernels])
+    if self.server_control_variate is None:
+      return outputs
+    return tf.cond(step > shifts, lambda: outputs - (
+        tf.cast(step - shifts, tf.float32) * self.learning_rate) * tf.matmul(
+            inputs, self.server_control_variate), lambda: outputs)
+
   def _update_product(self, inputs, step) -> tf.Tensor:
-    """inputs (W_k - x), from the factors of the client's earlier steps."""
+    """inputs (W_k - x + k eta c), from the factors of the client's earlier
+    steps."""
     eta = self.learning_rate
     steps_times_eta = tf.cast(step, tf.float32) * eta
     known = self.step_start(step)  # c_i's rows and the earlier steps'.
     scale = tf.concat([tf.fill([self.kernel.rows], steps_times_eta),
                        tf.fill([known - self.kernel.rows], -eta)], 0)
     right = self.right.read_value()[:known] * scale[:, None]
-    low_rank = tf.matmul(
+    return tf.matmul(
         tf.matmul(inputs, self.rows.read_value()[:known], transpose_b=True),
         right)
-    return low_rank - steps_times_eta * tf.matmul(
-        inputs, self.server_control_variate)
+
+
+def _switch(index: tf.Tensor, branches):
+  """branches[index](); a single branch is called without a switch."""
+  if len(branches) == 1:
+    return branches[0]()
+  return tf.switch_case(index, branches)
 
 
 def _write_rows(variable: tf.Variable, first, rows: tf.Tensor
@@ -304,16 +339,26 @@ def captures(model) -> list[_Capture]:
   return _captures.get(model, [])
 
 
-def start_client(model, control_variates, server_control_variates) -> None:
-  """A client's first rows: its c_i's factors, and c. (The round's rows
-  are written by its steps; `new_state` zeroes the rows of steps it did
-  not take.)"""
-  for capture, (inputs, gradients), server in zip(
-      captures(model), control_variates, server_control_variates,
-      strict=True):
+def start_group(model, kernels_x, server_control_variates) -> None:
+  """Sets the kernels to x and their shifts x - k eta c, once for a
+  group's clients: no client changes them."""
+  for capture, x, server in zip(captures(model), kernels_x,
+                                server_control_variates, strict=True):
+    capture.layer.kernel.assign(x)
+    for k, shifted in enumerate(capture.shifted, 1):
+      shifted.assign(x - (k * capture.learning_rate) * server)
+    if capture.server_control_variate is not None:
+      capture.server_control_variate.assign(server)
+
+
+def start_client(model, control_variates) -> None:
+  """A client's first rows: its c_i's factors. (The round's rows are
+  written by its steps; `new_state` zeroes the rows of steps it did not
+  take.)"""
+  for capture, (inputs, gradients) in zip(captures(model), control_variates,
+                                          strict=True):
     _write_rows(capture.rows, 0, inputs)
     _write_rows(capture.right, 0, gradients)
-    capture.server_control_variate.assign(server)
 
 
 def forward_and_gradients(model, batch, variables, step: tf.Tensor):

@@ -159,10 +159,22 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
   has_unmasked = not all(mask)
   masked_specs_, unmasked_specs = split_masked(trainable_specs, mask)
 
+  def prepare(model, message):
+    factored.start_group(
+        model, [message['global_model_weights'].trainable[k.variable_index]
+                for k in kernels],
+        [message['control_variate'][p] for p in kernel_positions])
+
   def start(model, message, client_state):
     weights = ModelWeights.from_model(model)
-    tf.nest.map_structure(lambda v, t: v.assign(t), weights,
-                          message['global_model_weights'])
+    x = message['global_model_weights']
+    # The factored kernels keep x all round (`prepare`).
+    for i, (variable, value) in enumerate(zip(weights.trainable,
+                                              x.trainable)):
+      if i not in factored_variables:
+        variable.assign(value)
+    for variable, value in zip(weights.non_trainable, x.non_trainable):
+      variable.assign(value)
     carry = collections.OrderedDict(
         num_steps=tf.constant(0, tf.int64),
         num_examples=tf.constant(0, tf.int64),
@@ -175,10 +187,8 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
             client_state['control_variate'][p] -
             message['control_variate'][p] for p in dense_positions))
     if kernels:
-      factored.start_client(
-          model, [client_state['control_variate'][p]
-                  for p in kernel_positions],
-          [message['control_variate'][p] for p in kernel_positions])
+      factored.start_client(model, [client_state['control_variate'][p]
+                                    for p in kernel_positions])
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       carry['gradient_sums'] = tuple(zeros_like_specs(masked_specs_))
       carry['gradient_examples'] = tf.constant(0.0)
@@ -327,7 +337,8 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         end_pass=(gradient_at_model_done,
                   lambda model, message, client_state, carry: carry),
         finish=finish)
-  return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish)
+  return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish,
+                              prepare=prepare if kernels else None)
 
 
 def _control_variate_delta(updated: tf.Tensor, new, old,
