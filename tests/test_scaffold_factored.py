@@ -10,6 +10,7 @@ of 1 example and the last batch of the client of 5 have one row (rows of
 zeros fill the rest).
 """
 
+import math
 from typing import Optional
 
 import numpy as np
@@ -18,6 +19,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tasks import base
+from tff_algos.aggregation import factories
 from tff_algos.algorithms import registry
 from tff_algos.algorithms.scaffold import definition as scaffold
 from tff_algos.algorithms.scaffold import factored
@@ -314,6 +316,40 @@ def test_a_resumed_factored_run_is_bit_identical(tmp_path):
   for a, b in zip(tf.nest.flatten(resumed_states),
                   tf.nest.flatten(straight_states), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_per_client_aggregator_gets_each_factored_clients_update(
+    run, tmp_path):
+  # The kernel's y - x travels as -K_i eta (c_i+ - c_i + c), which a group
+  # sums as sum_i w_i K_i eta (c_i+ - c_i) plus one multiple of c
+  # (round.AffineUpdate). A per-client aggregator gets each client's update
+  # formed: robust aggregation without clipping or zeroing is the mean, and
+  # the rounds equal the dense ones. (TFF's runtime: the native one runs
+  # the mean only.)
+  runtime = 'tff'
+  task = build_task()
+  definition = registry.build('scaffold', task, scaffold.ScaffoldSettings(
+      client_learning_rate=lib.CLIENT_LR,
+      server_learning_rate=lib.SERVER_LR))
+  robust = factories.AggregatorSettings(
+      aggregator=factories.ROBUST, clip_norm=math.inf, zeroing=False)
+  config = driver.RunConfig(
+      root_output_dir=str(tmp_path), experiment_name='robust',
+      total_rounds=3, clients_per_round=lib.CLIENTS_PER_ROUND,
+      rounds_per_eval=3, rounds_per_checkpoint=3, seed=lib.SEED,
+      export=False, runtime=runtime)
+  robust_run = driver.train(
+      definition, task, config,
+      model_aggregator=factories.build(robust, lib.CLIENTS_PER_ROUND))
+  dense = run(f'dense_{runtime}', 'scaffold', rounds=3, runtime=runtime,
+              factored_control_variates=False)
+  tolerance = dict(rtol=1e-5, atol=1e-6)
+  for a, b in zip(robust_run.model_weights.trainable,
+                  lib.weights(dense), strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+  for a, b in zip(robust_run.server_state['control_variate'],
+                  dense.result.server_state['control_variate'], strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
 
 
 @pytest.mark.parametrize('model', ['hidden_layer', 'nested'])

@@ -50,9 +50,34 @@ GLOBAL_MODEL = 'global_model_weights'
 
 
 @dataclasses.dataclass(frozen=True)
+class AffineUpdate:
+  """A part of a client's model update sent as scale * (tensor + offset),
+  `offset(message)` the same for every client (a value of the message).
+
+  The runtime then sums sum_i w_i scale_i tensor_i over a group and adds
+  (sum_i w_i scale_i) offset once: two passes over the tensor a client
+  fewer than forming each update (SCAFFOLD's factored kernels,
+  y - x = -K eta (c_i+ - c_i + c)). The sum rounds differently from that
+  of the formed updates. `dense_update` forms it, where a client's own
+  update is needed (per-client aggregators).
+  """
+  tensor: tf.Tensor
+  scale: tf.Tensor  # A float32 scalar.
+  offset: Callable[[Any], tf.Tensor]
+
+
+def dense_update(update, message):
+  """The model update with every `AffineUpdate` formed."""
+  return tf.nest.map_structure(
+      lambda u: (u.scale * (u.tensor + u.offset(message))
+                 if isinstance(u, AffineUpdate) else u), update)
+
+
+@dataclasses.dataclass(frozen=True)
 class ClientResult:
   """What one client's update returns (TF values)."""
-  # Aggregated by the model aggregator, weighted by `weight`.
+  # Aggregated by the model aggregator, weighted by `weight`; tensors or
+  # `AffineUpdate`s.
   model_update: Any
   # p_i: examples processed, or 1 under uniform weighting (float32).
   weight: tf.Tensor

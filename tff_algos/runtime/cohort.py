@@ -45,7 +45,34 @@ from tff_algos.runtime import client_states
 
 
 def _weighted(update, weight):
-  return tf.nest.map_structure(lambda u: u * tf.cast(weight, u.dtype), update)
+  """(w * u, with each `AffineUpdate` scale * (tensor + offset) as
+  (w * scale) * tensor; the w * scale; [(flat index, offset)] of those)."""
+  flat = tf.nest.flatten(update)
+  weighted, scales, offsets = [], [], []
+  for index, u in enumerate(flat):
+    if isinstance(u, round_lib.AffineUpdate):
+      scale = tf.cast(weight, u.scale.dtype) * u.scale
+      weighted.append(u.tensor * tf.cast(scale, u.tensor.dtype))
+      scales.append(scale)
+      offsets.append((index, u.offset))
+    else:
+      weighted.append(u * tf.cast(weight, u.dtype))
+  return tf.nest.pack_sequence_as(update, weighted), scales, offsets
+
+
+def _add_offsets(model_update, scales, offsets, message):
+  """The group's sum of w_i * u_i: each `AffineUpdate`'s part gets its
+  (sum_i w_i scale_i) offset."""
+  flat = tf.nest.flatten(model_update)
+  for scale, (index, offset) in zip(scales, offsets, strict=True):
+    value = offset(message)
+    flat[index] = flat[index] + tf.cast(scale, value.dtype) * value
+  return tf.nest.pack_sequence_as(model_update, flat)
+
+
+# The contribution's entry of its `AffineUpdate` scales, summed by the
+# group and spent at its end (`_add_offsets`).
+_UPDATE_SCALES = 'update_scales'
 
 
 def _add(a, b):
@@ -113,20 +140,30 @@ def build_group_update(definition: round_lib.RoundDefinition,
   stateful = definition.has_client_state
   last_pass = work.passes - 1
 
-  def contribution(result: round_lib.ClientResult, costs):
+  def contribution(result: round_lib.ClientResult, message, costs):
+    """(The client's part of the group's result, the `AffineUpdate`
+    offsets the group adds at its end: [(flat index, offset)])."""
+    offsets = []
+    if per_client:
+      model_update = round_lib.dense_update(result.model_update, message)
+    else:
+      model_update, scales, offsets = _weighted(result.model_update,
+                                                result.weight)
     out = collections.OrderedDict(
-        model_update=(result.model_update if per_client else
-                      _weighted(result.model_update, result.weight)),
+        model_update=model_update,
         weight=tf.cast(result.weight, tf.float32),
         num_clients=tf.constant(1, tf.int32),
         sums=collections.OrderedDict(result.sums),
         measurements=collections.OrderedDict(result.measurements),
         metrics=result.metrics)
+    if offsets:
+      out[_UPDATE_SCALES] = scales
     if definition.sums_model_update:
-      out['model_update_sum'] = result.model_update
+      out['model_update_sum'] = round_lib.dense_update(result.model_update,
+                                                       message)
     if costs is not None:
       out['client_costs'] = collections.OrderedDict(costs)
-    return out
+    return out, offsets
 
   def bind(context):
 
@@ -153,7 +190,7 @@ def build_group_update(definition: round_lib.RoundDefinition,
         # Rebuilt from (id, seed): the batches the client trained on.
         costs = client_cost_fn(client_dataset_fn(group['ids'][index],
                                                  group['seeds'][index]))
-      return contribution(result, costs)
+      return contribution(result, message, costs)[0]
 
     def run(message, round_num, group):
       if per_client:
@@ -165,9 +202,10 @@ def build_group_update(definition: round_lib.RoundDefinition,
       # carry, and zeros shaped like a client's contribution.
       first_state = read_state(group, 0)
       first_carry = start(message, first_state)
+      specs, offsets = finish_shapes(message, round_num, group, first_state,
+                                     first_carry)
       zero_total = tf.nest.map_structure(
-          lambda t: tf.zeros(t.shape, t.dtype),
-          finish_shapes(message, round_num, group, first_state, first_carry))
+          lambda t: tf.zeros(t.shape, t.dtype), specs)
       # A while loop over an iterator; a loop over the dataset itself would
       # run every step inside tf.data's reduce, several times slower.
       elements = iter(group_stream(client_dataset_fn, group['ids'],
@@ -221,19 +259,31 @@ def build_group_update(definition: round_lib.RoundDefinition,
           lambda has_element, *_: has_element, body,
           (tf.constant(True), tf.constant(0, tf.int32), first_state,
            first_carry, zero_total))
+      if offsets:
+        total = collections.OrderedDict(total)
+        total['model_update'] = _add_offsets(
+            total['model_update'], total.pop(_UPDATE_SCALES), offsets,
+            message)
       return total
 
     def finish_shapes(message, round_num, group, client_state, carry):
-      # The structure and shapes of a contribution, traced but not run.
+      # The structure and shapes of a contribution, traced but not run,
+      # and its offsets (which depend on the message only).
       del round_num
-      specs = tf.function(lambda: contribution(
-          work.finish(context, message, visible(client_state), carry),
-          None if client_cost_fn is None else client_cost_fn(
-              client_dataset_fn(group['ids'][0], group['seeds'][0]))),
-                          autograph=False
+      offsets = []
+
+      def traced():
+        out, found = contribution(
+            work.finish(context, message, visible(client_state), carry),
+            message, None if client_cost_fn is None else client_cost_fn(
+                client_dataset_fn(group['ids'][0], group['seeds'][0])))
+        offsets.extend(found)
+        return out
+
+      specs = tf.function(traced, autograph=False
                           ).get_concrete_function().structured_outputs
       return tf.nest.map_structure(
-          lambda t: tf.TensorSpec(t.shape, t.dtype), specs)
+          lambda t: tf.TensorSpec(t.shape, t.dtype), specs), offsets
 
     # Without AutoGraph: it would convert every function the loop calls (the
     # algorithm's, the model's, its metrics', the optimizer's), about 2 s

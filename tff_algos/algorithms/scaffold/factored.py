@@ -50,6 +50,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tff_algos import tff_internals
+from tff_algos.algorithms import round as round_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,12 +427,17 @@ def difference(capture: _Capture, new, old) -> tf.Tensor:
   return tf.matmul(inputs, tf.concat([-old[1], new[1]], 0), transpose_a=True)
 
 
-def model_update(difference_: tf.Tensor, server_control_variate: tf.Tensor,
-                 num_steps: tf.Tensor, learning_rate: float) -> tf.Tensor:
+def model_update(difference_: tf.Tensor, num_steps: tf.Tensor,
+                 learning_rate: float, position: int
+                 ) -> round_lib.AffineUpdate:
   """The kernel's y - x = -K_i eta (c_i+ - c_i + c) ([SCAFFOLD] Alg. 1
-  line 12 solved for y): the steps never formed y."""
-  return (-tf.cast(num_steps, tf.float32) * learning_rate) * (
-      difference_ + server_control_variate)
+  line 12 solved for y; the steps never formed y), c being the message's
+  control variate at `position`: the runtime sums the K_i eta (c_i+ - c_i)
+  and adds the c part once per group."""
+  return round_lib.AffineUpdate(
+      tensor=difference_,
+      scale=-tf.cast(num_steps, tf.float32) * learning_rate,
+      offset=lambda message: message['control_variate'][position])
 
 
 def dense(factors) -> tf.Tensor:

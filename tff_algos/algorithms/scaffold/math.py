@@ -286,21 +286,19 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
       if kernels:
         def trained_client():
           new = new_control_variates()
-          found = [factored.difference(capture, new[p], client_cv[p])
-                   for capture, p in zip(captures, kernel_positions)]
-          return new, found, [
-              factored.model_update(d, message['control_variate'][p],
-                                    num_steps, learning_rate)
-              for d, p in zip(found, kernel_positions)]
+          return new, [factored.difference(capture, new[p], client_cv[p])
+                       for capture, p in zip(captures, kernel_positions)]
 
         def untrained_client():
-          zeros = [tf.zeros([k.inputs, k.units]) for k in kernels]
-          return list(client_cv), zeros, zeros
+          return list(client_cv), [tf.zeros([k.inputs, k.units])
+                                   for k in kernels]
 
-        new_cv, differences, kernel_deltas = tf.cond(
-            trained, trained_client, untrained_client)
-        for kernel, delta in zip(kernels, kernel_deltas):
-          model_delta[kernel.variable_index] = delta
+        new_cv, differences = tf.cond(trained, trained_client,
+                                      untrained_client)
+        # Checked below in place of the kernels' y - x: with c finite,
+        # y - x = -K_i eta (c_i+ - c_i + c) is finite when c_i+ - c_i is.
+        for kernel, difference in zip(kernels, differences):
+          model_delta[kernel.variable_index] = difference
       else:
         new_cv = _unless_untrained(trained, new_control_variates, client_cv)
     # A client whose update or c_i+ is not finite (it diverged) is dropped
@@ -315,8 +313,13 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         lambda: (tf.constant(1.0) if uniform_weighting else
                  tf.cast(carry['num_examples'], tf.float32)))
     non_finite.reset_metrics_if(dropped, model)
+    for kernel, position in zip(kernels, kernel_positions):
+      model_delta[kernel.variable_index] = factored.model_update(
+          model_delta[kernel.variable_index], num_steps, learning_rate,
+          position)
     measurements = collections.OrderedDict()
     if layer_of_variable is not None:
+      model_delta = round_lib.dense_update(model_delta, message)
       measurements['layer_sq_norms'] = layer_squared_norms(model_delta,
                                                            layer_of_variable)
       measurements['model_delta'] = model_delta
