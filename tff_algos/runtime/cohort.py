@@ -20,7 +20,10 @@ client's weights at a time are live, which keeps a CPU round compute-bound.
 
 A group's result (an OrderedDict):
   model_update      sum_i w_i * u_i over its clients, or, for a group of one
-                    client fed to a per-client aggregator, u_i itself
+                    client fed to a per-client aggregator, u_i itself (an
+                    `AffineUpdate` part of u_i, scale * (t_i + offset), is
+                    summed as sum_i w_i scale_i t_i plus
+                    (sum_i w_i scale_i) offset)
   weight            sum_i w_i (w_i for a per-client group)
   num_clients       clients in the group (int32)
   sums              the algorithm's sums over the group
