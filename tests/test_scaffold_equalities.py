@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_algos.algorithms import round as round_lib
 
 import scaffold_testlib as lib
 
@@ -71,8 +70,8 @@ def with_control_variates_zeroed(definition):
   work = definition.client_work
   return dataclasses.replace(
       definition, broadcast=broadcast,
-      client_work=round_lib.ClientWork(
-          start=with_zeroed_state(work.start),
+      client_work=dataclasses.replace(
+          work, start=with_zeroed_state(work.start),
           steps=tuple(with_zeroed_state(f) for f in work.steps),
           finish=with_zeroed_state(work.finish),
           end_pass=(None if work.end_pass is None else

@@ -291,6 +291,73 @@ def test_a_diverging_client_keeps_its_factors_and_adds_nothing(tmp_path):
     np.testing.assert_array_equal(entry, np.zeros_like(entry))
 
 
+def _train(directory, name, task, runtime='tff', aggregator=None,
+           clients_per_round=lib.CLIENTS_PER_ROUND, clients_per_group=0,
+           rounds=3, **settings):
+  definition = registry.build('scaffold', task, scaffold.ScaffoldSettings(
+      client_learning_rate=lib.CLIENT_LR, server_learning_rate=lib.SERVER_LR,
+      **settings))
+  config = driver.RunConfig(
+      root_output_dir=str(directory), experiment_name=name,
+      total_rounds=rounds, clients_per_round=clients_per_round,
+      rounds_per_eval=rounds, rounds_per_checkpoint=rounds, seed=lib.SEED,
+      clients_per_group=clients_per_group, export=False, runtime=runtime)
+  return driver.train(
+      definition, task, config, model_aggregator=(
+          None if aggregator is None else
+          factories.build(aggregator, clients_per_round)))
+
+
+def test_a_dropped_client_adds_nothing_to_its_formed_update(tmp_path):
+  # A diverging client's update is zero where it is formed: drift
+  # diversity's per-client measurements, and a per-client aggregator's
+  # input (DP's unweighted mean), as in the dense run; its zeroed
+  # c_i+ - c_i with the scale -K_i eta would leave -K_i eta c.
+  diverging, rounds = 2, 3
+  last = driver.plan_round(lib.SEED, rounds, len(CLIENT_SIZES),
+                           lib.CLIENTS_PER_ROUND).client_indices
+  assert diverging in last
+  task = build_task(diverging_client=diverging)
+  dp = factories.AggregatorSettings(aggregator=factories.DP, clip_norm=1e6,
+                                    dp_noise_multiplier=0.0)
+  tolerance = dict(rtol=1e-5, atol=1e-6)
+  for aggregator, settings in ((None, dict(drift_diversity=True)),
+                               (dp, {})):
+    runs = [_train(tmp_path / f'{form}_{aggregator is None}', 'run', task,
+                   aggregator=aggregator, factored_control_variates=form,
+                   **settings)
+            for form in (True, False)]
+    factors, dense = runs
+    for a, b in zip(factors.model_weights.trainable,
+                    dense.model_weights.trainable, strict=True):
+      np.testing.assert_allclose(a, b, **tolerance)
+    diversity = [k for k in dense.last_metrics if 'drift_diversity' in k]
+    assert bool(diversity) == (aggregator is None)
+    for key in diversity:
+      assert factors.last_metrics[key] == pytest.approx(
+          dense.last_metrics[key], rel=1e-4), key
+
+
+@pytest.mark.parametrize('runtime', ['tff', 'native'])
+def test_clients_of_one_group_compute_the_dense_rounds(tmp_path, runtime):
+  # Every client each round, in one group: the clients share the group's
+  # x - k eta c, and each finds the rows of the one before it (which took
+  # other steps) in the layer's variables.
+  runs = [_train(tmp_path / str(form), 'run', build_task(), runtime=runtime,
+                 clients_per_round=len(CLIENT_SIZES),
+                 clients_per_group=len(CLIENT_SIZES), rounds=4,
+                 factored_control_variates=form)
+          for form in (True, False)]
+  factors, dense = runs
+  tolerance = dict(rtol=1e-5, atol=1e-6)
+  for a, b in zip(factors.model_weights.trainable,
+                  dense.model_weights.trainable, strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+  for a, b in zip(factors.server_state['control_variate'],
+                  dense.server_state['control_variate'], strict=True):
+    np.testing.assert_allclose(a, b, **tolerance)
+
+
 def test_a_resumed_factored_run_is_bit_identical(tmp_path):
   task = build_task()
   definition = registry.build('scaffold', task, scaffold.ScaffoldSettings(

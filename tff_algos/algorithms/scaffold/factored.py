@@ -20,9 +20,9 @@ the kernel at step k is
 W_k = x - eta sum_{j<k} A_j^T D_j + k eta A^T E - k eta c,
 so the layer computes its pre-activations inputs W_k as
 inputs x - k eta (inputs c) + (inputs [A; A_0..A_{k-1}]^T)
-[k eta E; -eta D_0..D_{k-1}]: two products of the step's B rows with a
-kernel-sized matrix, as a forward pass has one, and products of B rows
-with at most 2R. The kernel variable keeps x all round; nothing kernel-sized
+[k eta E; -eta D_0..D_{k-1}]: one product of the step's B rows with a
+kernel-sized matrix (x - k eta c, formed once per group of clients), as
+any forward pass has, and products of B rows with at most 2R. The kernel variable keeps x all round; nothing kernel-sized
 is differentiated, updated or written per step. At the end, c_i+ - c_i,
 which the server sums, is one product of stacked factors, [A; A+]^T
 [-E; E+], and the kernel's y - x follows from it: line 12 solved for y,

@@ -313,9 +313,13 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         lambda: (tf.constant(1.0) if uniform_weighting else
                  tf.cast(carry['num_examples'], tf.float32)))
     non_finite.reset_metrics_if(dropped, model)
+    # A dropped client's update is zero: so is its scale (its c_i+ - c_i
+    # was zeroed; c would remain).
+    update_steps = tf.where(tf.equal(dropped, 0), num_steps,
+                            tf.zeros_like(num_steps))
     for kernel, position in zip(kernels, kernel_positions):
       model_delta[kernel.variable_index] = factored.model_update(
-          model_delta[kernel.variable_index], num_steps, learning_rate,
+          model_delta[kernel.variable_index], update_steps, learning_rate,
           position)
     measurements = collections.OrderedDict()
     if layer_of_variable is not None:
