@@ -111,6 +111,22 @@ def _dense_cv(entries):
           else np.asarray(e) for e in entries]
 
 
+# The factored and the dense forms round differently.
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def _assert_close(got, want):
+  for a, b in zip(tf.nest.flatten(got), tf.nest.flatten(want), strict=True):
+    np.testing.assert_allclose(a, b, **TOLERANCE)
+
+
+def _assert_same_model_and_c(got, want):
+  """Two driver results' models and server c, to float32 rounding."""
+  _assert_close(got.model_weights.trainable, want.model_weights.trainable)
+  _assert_close(got.server_state['control_variate'],
+                want.server_state['control_variate'])
+
+
 def test_the_plan_factors_only_the_kernel_that_is_smaller():
   task = build_task()
   kernels = factored.plan(task.model_fn, (True, True), STEPS, BATCH)
@@ -128,14 +144,9 @@ def test_factored_control_variates_compute_the_dense_rounds(run, runtime):
               factored_control_variates=False)
   factors = run(f'factored_{runtime}', 'scaffold', rounds=rounds,
                 runtime=runtime)
-  tolerance = dict(rtol=1e-5, atol=1e-6)
-  for a, b in zip(lib.weights(factors), lib.weights(dense), strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
+  _assert_same_model_and_c(factors.result, dense.result)
   np.testing.assert_allclose(factors.train_losses, dense.train_losses,
-                             **tolerance)
-  for a, b in zip(factors.result.server_state['control_variate'],
-                  dense.result.server_state['control_variate'], strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
+                             **TOLERANCE)
   sampled = 0
   for k in range(len(CLIENT_SIZES)):
     stored = factors.client_cvs[k]
@@ -143,7 +154,7 @@ def test_factored_control_variates_compute_the_dense_rounds(run, runtime):
     assert [np.shape(e[0]) for e in stored[:1]] == [(STEPS * BATCH, INPUTS)]
     want = dense.client_cvs[k]
     for a, b in zip(_dense_cv(stored), want, strict=True):
-      np.testing.assert_allclose(a, b, **tolerance)
+      np.testing.assert_allclose(a, b, **TOLERANCE)
     sampled += bool(np.any(want[0]))
   # Control variates are in play, for more than one client.
   assert sampled >= 2
@@ -161,12 +172,7 @@ def test_steps_past_the_shifted_kernels_compute_the_dense_rounds(
               factored_control_variates=False)
   factors = run(f'factored_shifts_{shifts}', 'scaffold', rounds=3,
                 runtime='native')
-  tolerance = dict(rtol=1e-5, atol=1e-6)
-  for a, b in zip(lib.weights(factors), lib.weights(dense), strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
-  for a, b in zip(factors.result.server_state['control_variate'],
-                  dense.result.server_state['control_variate'], strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
+  _assert_same_model_and_c(factors.result, dense.result)
 
 
 @pytest.mark.parametrize('runtime', ['tff', 'native'])
@@ -207,13 +213,9 @@ def test_factored_runs_on_both_runtimes_agree(run):
   # their graph optimizations may round differently.
   tff_run = run('factored_tff', 'scaffold', rounds=3, runtime='tff')
   native = run('factored_native', 'scaffold', rounds=3, runtime='native')
-  tolerance = dict(rtol=1e-5, atol=1e-6)
-  for a, b in zip(lib.weights(tff_run), lib.weights(native), strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
+  _assert_close(lib.weights(tff_run), lib.weights(native))
   for k in range(len(CLIENT_SIZES)):
-    for a, b in zip(tf.nest.flatten(tff_run.client_cvs[k]),
-                    tf.nest.flatten(native.client_cvs[k]), strict=True):
-      np.testing.assert_allclose(a, b, **tolerance)
+    _assert_close(tff_run.client_cvs[k], native.client_cvs[k])
 
 
 def test_a_kernel_used_twice_stays_dense():
@@ -320,7 +322,6 @@ def test_a_dropped_client_adds_nothing_to_its_formed_update(tmp_path):
   task = build_task(diverging_client=diverging)
   dp = factories.AggregatorSettings(aggregator=factories.DP, clip_norm=1e6,
                                     dp_noise_multiplier=0.0)
-  tolerance = dict(rtol=1e-5, atol=1e-6)
   for aggregator, settings in ((None, dict(drift_diversity=True)),
                                (dp, {})):
     runs = [_train(tmp_path / f'{form}_{aggregator is None}', 'run', task,
@@ -328,9 +329,8 @@ def test_a_dropped_client_adds_nothing_to_its_formed_update(tmp_path):
                    **settings)
             for form in (True, False)]
     factors, dense = runs
-    for a, b in zip(factors.model_weights.trainable,
-                    dense.model_weights.trainable, strict=True):
-      np.testing.assert_allclose(a, b, **tolerance)
+    _assert_close(factors.model_weights.trainable,
+                  dense.model_weights.trainable)
     diversity = [k for k in dense.last_metrics if 'drift_diversity' in k]
     assert bool(diversity) == (aggregator is None)
     for key in diversity:
@@ -349,13 +349,7 @@ def test_clients_of_one_group_compute_the_dense_rounds(tmp_path, runtime):
                  factored_control_variates=form)
           for form in (True, False)]
   factors, dense = runs
-  tolerance = dict(rtol=1e-5, atol=1e-6)
-  for a, b in zip(factors.model_weights.trainable,
-                  dense.model_weights.trainable, strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
-  for a, b in zip(factors.server_state['control_variate'],
-                  dense.server_state['control_variate'], strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
+  _assert_same_model_and_c(factors, dense)
 
 
 def test_a_resumed_factored_run_is_bit_identical(tmp_path):
@@ -410,13 +404,7 @@ def test_a_per_client_aggregator_gets_each_factored_clients_update(
       model_aggregator=factories.build(robust, lib.CLIENTS_PER_ROUND))
   dense = run(f'dense_{runtime}', 'scaffold', rounds=3, runtime=runtime,
               factored_control_variates=False)
-  tolerance = dict(rtol=1e-5, atol=1e-6)
-  for a, b in zip(robust_run.model_weights.trainable,
-                  lib.weights(dense), strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
-  for a, b in zip(robust_run.server_state['control_variate'],
-                  dense.result.server_state['control_variate'], strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
+  _assert_same_model_and_c(robust_run, dense.result)
 
 
 @pytest.mark.parametrize('model', ['hidden_layer', 'nested'])
@@ -427,13 +415,6 @@ def test_two_factored_kernels_compute_the_dense_rounds(tmp_path, model):
   run = lib.make_runner(task, str(tmp_path))
   dense = run('dense', 'scaffold', rounds=3, factored_control_variates=False)
   factors = run('factored', 'scaffold', rounds=3)
-  tolerance = dict(rtol=1e-5, atol=1e-6)
-  for a, b in zip(lib.weights(factors), lib.weights(dense), strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
-  for a, b in zip(factors.result.server_state['control_variate'],
-                  dense.result.server_state['control_variate'], strict=True):
-    np.testing.assert_allclose(a, b, **tolerance)
+  _assert_same_model_and_c(factors.result, dense.result)
   for k in range(len(CLIENT_SIZES)):
-    for a, b in zip(_dense_cv(factors.client_cvs[k]), dense.client_cvs[k],
-                    strict=True):
-      np.testing.assert_allclose(a, b, **tolerance)
+    _assert_close(_dense_cv(factors.client_cvs[k]), dense.client_cvs[k])

@@ -66,6 +66,13 @@ class AffineUpdate:
   offset: Callable[[Any], tf.Tensor]
 
 
+def switch(index: tf.Tensor, branches):
+  """branches[index](); a single branch is called without a switch."""
+  if len(branches) == 1:
+    return branches[0]()
+  return tf.switch_case(index, branches)
+
+
 def dense_update(update, message):
   """The model update with every `AffineUpdate` formed."""
   return tf.nest.map_structure(

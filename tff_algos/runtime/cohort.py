@@ -230,7 +230,7 @@ def build_group_update(definition: round_lib.RoundDefinition,
         def end_of_pass():
           ended = carry
           if work.end_pass is not None:
-            ended = _switch(pass_index, [
+            ended = round_lib.switch(pass_index, [
                 lambda f=f: f(context, message, visible(client_state), carry)
                 for f in work.end_pass])
           summed = tf.cond(
@@ -241,7 +241,7 @@ def build_group_update(definition: round_lib.RoundDefinition,
           return ended, summed
 
         def step():
-          return _switch(pass_index, [
+          return round_lib.switch(pass_index, [
               lambda f=f: f(context, message, visible(client_state), carry,
                             batch)
               for f in work.steps]), total
@@ -295,13 +295,6 @@ def build_group_update(definition: round_lib.RoundDefinition,
     return tf.function(run, autograph=False)
 
   return bind
-
-
-def _switch(index: tf.Tensor, branches):
-  """branches[index](); a single branch is called without a switch."""
-  if len(branches) == 1:
-    return branches[0]()
-  return tf.switch_case(index, branches)
 
 
 def clients_per_group(clients_per_round: int, requested: int, runtime: str,

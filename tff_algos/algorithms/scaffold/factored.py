@@ -22,8 +22,9 @@ so the layer computes its pre-activations inputs W_k as
 inputs x - k eta (inputs c) + (inputs [A; A_0..A_{k-1}]^T)
 [k eta E; -eta D_0..D_{k-1}]: one product of the step's B rows with a
 kernel-sized matrix (x - k eta c, formed once per group of clients), as
-any forward pass has, and products of B rows with at most 2R. The kernel variable keeps x all round; nothing kernel-sized
-is differentiated, updated or written per step. At the end, c_i+ - c_i,
+any forward pass has, and products of B rows with at most 2R. The kernel
+variable keeps x all round; nothing kernel-sized is differentiated,
+updated or written per step. At the end, c_i+ - c_i,
 which the server sums, is one product of stacked factors, [A; A+]^T
 [-E; E+], and the kernel's y - x follows from it: line 12 solved for y,
 y - x = -K eta (c_i+ - c_i + c). (The other way round, the sum of
@@ -275,8 +276,8 @@ class _Capture:
     kernels = [self.layer.kernel] + self.shifted
     shifts = len(self.shifted)
     shift = tf.minimum(step, shifts)
-    outputs = _switch(shift, [lambda v=v: tf.matmul(inputs, v)
-                              for v in kernels])
+    outputs = round_lib.switch(shift, [lambda v=v: tf.matmul(inputs, v)
+                                       for v in kernels])
     if self.server_control_variate is None:
       return outputs
     return tf.cond(step > shifts, lambda: outputs - (
@@ -295,13 +296,6 @@ class _Capture:
     return tf.matmul(
         tf.matmul(inputs, self.rows.read_value()[:known], transpose_b=True),
         right)
-
-
-def _switch(index: tf.Tensor, branches):
-  """branches[index](); a single branch is called without a switch."""
-  if len(branches) == 1:
-    return branches[0]()
-  return tf.switch_case(index, branches)
 
 
 def _write_rows(variable: tf.Variable, first, rows: tf.Tensor
