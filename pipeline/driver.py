@@ -28,6 +28,7 @@ import tqdm
 from pipeline import errors
 from pipeline import evaluation
 from pipeline import export as export_lib
+from pipeline import heap
 from pipeline import interrupts
 from pipeline import run_directory
 from pipeline import tff_runtime
@@ -577,6 +578,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   even with `allow_flag_changes`).
   """
   config.validate(task.num_train_clients)
+  # Model-sized values cross this process every round (pipeline/heap.py).
+  heap.keep_freed_memory()
   if definition.has_client_state:
     _require_store_directory(config.state_dir)
     _require_own_store(config.state_dir, config.run_dir)

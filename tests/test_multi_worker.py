@@ -8,6 +8,7 @@ once per round (counted by a marker file its computation writes), and mixed
 FL's central update once per round, not once per sub-round.
 """
 
+import collections
 import dataclasses
 import os
 import subprocess
@@ -274,6 +275,74 @@ def test_sub_rounds_merge_in_their_order_not_as_they_finish(
       assert total([1e8, 1.0, -1e8]) == 0.0
   finally:
     tff_runtime.shutdown_workers()  # This test's worker, too.
+
+
+def _sums_and_mean():
+  values = tff.FederatedType(collections.OrderedDict(
+      x=tff.TensorType(np.float32, [3]), n=tff.TensorType(np.int32)),
+      tff.CLIENTS)
+
+  @tff.federated_computation(tff.FederatedType(np.float32, tff.SERVER),
+                             values)
+  def sums_and_mean(server_value, client_values):
+    return (tff.federated_sum(client_values.x),
+            tff.federated_sum(client_values.n),
+            tff.federated_mean(client_values.x), server_value)
+
+  return sums_and_mean
+
+
+def test_sum_merges_are_made_in_this_process_with_the_workers_bits(
+    monkeypatch, restore_default_context):
+  # Three clients in three sub-rounds: two merges. The first adds two normal
+  # floats into a subnormal one, which TF's add (the worker's) flushes to
+  # zero and NumPy's would keep; the int32 sum wraps around.
+  del restore_default_context
+  tff_runtime.configure_execution(num_subrounds=3)
+  rng = np.random.default_rng(0)
+  clients = [collections.OrderedDict(
+      x=np.asarray([*rng.normal(size=2), tiny], np.float32), n=np.int32(2**30))
+             for tiny in (1.5e-38, -1.4e-38, 0.0)]
+  sums_and_mean = _sums_and_mean()
+  local_merges = []
+  add_leafwise = tff_internals._add_leafwise  # pylint: disable=protected-access
+  monkeypatch.setattr(tff_internals, '_add_leafwise', lambda *args: (
+      local_merges.append(1), add_leafwise(*args))[1])
+  local = sums_and_mean(np.float32(2.0), clients)
+  assert len(local_merges) == 2
+  monkeypatch.setattr(tff_internals, '_reads_as_leafwise_sum',
+                      lambda merge: False)
+  tff_internals._LEAFWISE_SUMS.clear()  # pylint: disable=protected-access
+  on_worker = sums_and_mean(np.float32(2.0), clients)
+  assert len(local_merges) == 2  # This call's merges ran on the worker.
+  for got, want in zip(tf.nest.flatten(local), tf.nest.flatten(on_worker)):
+    assert np.asarray(got).dtype == np.asarray(want).dtype
+    np.testing.assert_array_equal(got, want)
+  assert local[0][2] == 0.0  # 1e-39 flushed to zero, as the worker does.
+  assert local[1] == np.int32(-2**31 + 2**30)  # Wrapped, as TF's does.
+
+
+def _merge_of(merge_fn):
+  value = tff.TensorType(np.float32, [3])
+
+  @tff.federated_computation(tff.FederatedType(value, tff.CLIENTS))
+  def aggregate(values):
+    return tff.federated_aggregate(
+        values, np.zeros(3, np.float32),
+        tff.tensorflow.computation(lambda a, b: a + b, value, value),
+        tff.tensorflow.computation(merge_fn, value, value),
+        tff.tensorflow.computation(lambda a: a, value))
+
+  return tff_internals.merge_computation(aggregate)
+
+
+def test_only_a_leafwise_sum_is_merged_in_this_process():
+  assert tff_internals.adds_leafwise(_merge_of(lambda a, b: a + b))
+  assert tff_internals.adds_leafwise(_merge_of(lambda a, b: b + a))
+  for merge_fn in (lambda a, b: tf.maximum(a, b), lambda a, b: a - b, lambda a, b: a + a,
+                   lambda a, b: 2.0 * (a + b), lambda a, b: a + b + 1.0,
+                   lambda a, b: tf.reverse(a + b, [0])):
+    assert not tff_internals.adds_leafwise(_merge_of(merge_fn)), merge_fn
 
 
 def test_central_update_runs_once_per_round_with_sub_rounds(

@@ -18,7 +18,8 @@ sources). What is used, and for what:
   contexts TFF builds itself, whose workers are stopped and whose `__del__`
   is disarmed;
 - the mergeable execution context: its two partitioning bugs and its
-  merge in completion order, patched (`fix_mergeable_context`), and its
+  merge in completion order, patched, and sums merged in this process
+  rather than by a call to a worker (`fix_mergeable_context`), and its
   contexts' base class, for contexts that run a sub-round in a thread of
   their own (`threaded_async_context`);
 - the Keras model and losses inside a `tff.learning` model made by
@@ -50,6 +51,7 @@ if tff.__version__ != SUPPORTED_VERSION:
 # pylint: disable=protected-access
 from tensorflow_federated.python.common_libs import structure
 from tensorflow_federated.python.core.backends.native import compiler as native_compiler
+from tensorflow_federated.python.core.backends.native import mergeable_comp_compiler
 from tensorflow_federated.python.core.backends.test import compiler as test_compiler
 from tensorflow_federated.python.core.environments.tensorflow_backend import compiled_computation_transformations
 from tensorflow_federated.python.core.environments.tensorflow_backend import tensorflow_tree_transformations
@@ -64,6 +66,7 @@ from tensorflow_federated.python.core.impl.context_stack import set_default_cont
 from tensorflow_federated.python.core.impl.execution_contexts import mergeable_comp_execution_context as mergeable
 from tensorflow_federated.python.core.impl.executor_stacks import executor_factory
 from tensorflow_federated.python.core.impl.types import computation_types
+from tensorflow_federated.python.core.impl.types import type_conversions
 from tensorflow_federated.python.core.impl.utils import tensorflow_utils
 from tensorflow_federated.python.learning.templates import apply_optimizer_finalizer
 from tensorflow_federated.python.simulation.baselines import keras_metrics
@@ -250,6 +253,14 @@ def fix_mergeable_context() -> None:
      sub-round finishes first: those of its sub-rounds run one by one.
   All three are private functions the module looks up at call time; the
   fixed versions below replace them. Idempotent.
+
+  The merge of two sub-rounds' aggregates is also made in this process when
+  the merge computation adds its two arguments leaf by leaf (`adds_leafwise`:
+  every `tff.federated_sum`, so every aggregation here but a `tff.aggregators`
+  factory's), with TF's add, the worker's kernel and bits. TFF's call to a
+  worker moved both aggregates in and the sum out: at 1000 clients in ten
+  sub-rounds, 0.14 s a merge for FedAvg and 0.28 s for SCAFFOLD (two
+  model-sized sums), nine merges a round.
   """
   if getattr(mergeable, '_project_fixed', False):
     return
@@ -288,6 +299,11 @@ def fix_mergeable_context() -> None:
 
     return task_fn
 
+  async def merge_two(comp, first, second, context):
+    if adds_leafwise(comp.merge):
+      return _add_leafwise(comp.merge, first, second)
+    return await mergeable._merge_results(comp, first, second, context)
+
   async def merge_in_argument_order(comp, arg_list, execution_contexts):
     done = {}  # Sub-rounds finished before an earlier one.
     merged = 0  # Sub-rounds merged so far.
@@ -298,7 +314,7 @@ def fix_mergeable_context() -> None:
       done[index] = partial
       while merged in done:
         partial = done.pop(merged)
-        result = partial if merged == 0 else await mergeable._merge_results(
+        result = partial if merged == 0 else await merge_two(
             comp, result, partial, context)
         merged += 1
       return result
@@ -326,6 +342,106 @@ def fix_mergeable_context() -> None:
   mergeable._invoke_merge_in_async_pool = merge_in_argument_order
   mergeable._invoke_after_merge_in_async_pool = after_merge_in_argument_order
   mergeable._project_fixed = True
+
+
+# id(merge computation) -> (the computation, whether it adds leaf by leaf).
+_LEAFWISE_SUMS: dict[int, tuple[object, bool]] = {}
+_LEAFWISE_SUMS_LOCK = threading.Lock()
+
+
+def adds_leafwise(merge) -> bool:
+  """Whether a mergeable form's `merge` computation (<A, A> -> A) returns
+  a_i + b_i (TF's AddV2) for every tensor i of A and nothing else.
+
+  Read off its graph: each result tensor, through Identity ops, is an AddV2
+  of the two arguments' i-th placeholders. Anything else (a factory's merge,
+  a cast, a constant) is False, and such merges stay TFF calls."""
+  with _LEAFWISE_SUMS_LOCK:
+    known = _LEAFWISE_SUMS.get(id(merge))
+    if known is None or known[0] is not merge:
+      known = (merge, _reads_as_leafwise_sum(merge))
+      _LEAFWISE_SUMS[id(merge)] = known
+    return known[1]
+
+
+def merge_computation(computation):
+  """The `merge` of `computation`'s mergeable form, as TFF's mergeable
+  context compiles it."""
+  return mergeable_comp_compiler.compile_to_mergeable_comp_form(
+      computation).merge
+
+
+def _reads_as_leafwise_sum(merge) -> bool:
+  try:
+    proto = computation_impl.ConcreteComputation.get_proto(merge)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  signature = merge.type_signature
+  parameter = signature.parameter
+  if (proto.WhichOneof('computation') != 'tensorflow' or
+      not isinstance(parameter, computation_types.StructType) or
+      len(parameter) != 2 or
+      not parameter[0].is_equivalent_to(parameter[1]) or
+      not parameter[0].is_equivalent_to(signature.result)):
+    return False
+  bindings = proto.tensorflow
+  if bindings.parameter.WhichOneof('binding') != 'struct':
+    return False
+  arguments = [tensorflow_utils.extract_tensor_names_from_binding(element)
+               for element in bindings.parameter.struct.element]
+  results = tensorflow_utils.extract_tensor_names_from_binding(
+      bindings.result)
+  if len(arguments) != 2 or not (
+      len(arguments[0]) == len(arguments[1]) == len(results)):
+    return False
+  nodes = {node.name: node for node in serialization_utils.unpack_graph_def(
+      bindings.graph_def).node}
+
+  def producer(tensor_name):
+    """The node making a tensor, past Identity ops; None if it is not a
+    single-output node's only tensor."""
+    name, _, index = tensor_name.partition(':')
+    node = nodes.get(name)
+    while index in ('', '0') and node is not None and node.op == 'Identity':
+      inputs = [i for i in node.input if not i.startswith('^')]
+      if len(inputs) != 1:
+        return None
+      name, _, index = inputs[0].partition(':')
+      node = nodes.get(name)
+    return node if index in ('', '0') else None
+
+  for result, first, second in zip(results, *arguments):
+    add = producer(result)
+    first, second = producer(first), producer(second)
+    if (add is None or add.op != 'AddV2' or first is None or second is None
+        or first.op != 'Placeholder' or second.op != 'Placeholder' or
+        first.name == second.name):
+      return False
+    inputs = [producer(i) for i in add.input if not i.startswith('^')]
+    if (len(inputs) != 2 or None in inputs or
+        sorted(n.name for n in inputs) != sorted((first.name, second.name))):
+      return False
+  return True
+
+
+def _add_leafwise(merge, first, second):
+  """`merge(first, second)` for a leafwise sum, in this process with TF's
+  AddV2 (as the worker adds: flushing subnormal floats to zero, unlike
+  NumPy), in the structure TFF's call returns."""
+  import tensorflow as tf  # Loaded by TFF already.
+  types = structure.flatten(merge.type_signature.result)
+  firsts = structure.flatten(structure.from_container(first, recursive=True))
+  seconds = structure.flatten(structure.from_container(second,
+                                                       recursive=True))
+  if not len(types) == len(firsts) == len(seconds):
+    raise ValueError(f'a merge of {len(firsts)} and {len(seconds)} values '
+                     f'where its computation takes {len(types)}')
+  sums = [tf.raw_ops.AddV2(x=tf.convert_to_tensor(a, t.dtype),
+                           y=tf.convert_to_tensor(b, t.dtype)).numpy()
+          for t, a, b in zip(types, firsts, seconds)]
+  return type_conversions.type_to_py_container(
+      structure.pack_sequence_as(merge.type_signature.result, sums),
+      merge.type_signature.result)
 
 
 class _ThreadedContext(context_base.AsyncContext):
