@@ -12,6 +12,8 @@ difference is printed when they are not identical. Flags that only this tree
 has are given as `NEW_ONLY_FLAGS` (e.g. the group size, set to one client per
 group so the order of float sums is the per-client order of older commits);
 `--same_flags` leaves them out, for commits that have them too.
+`--tff_flags` adds flags to both trees' TFF runs, e.g. `--runtimes=tff
+--tff_flags=--num_subrounds=3` to compare runs in sub-rounds.
 """
 
 import argparse
@@ -136,6 +138,9 @@ def main() -> int:
                       help='comma-separated names of COMMANDS to run '
                       '(default: all, or --quick\'s)')
   parser.add_argument('--runtimes', default='tff,native')
+  parser.add_argument('--tff_flags', default='',
+                      help='space-separated flags for both trees\' TFF runs '
+                      '(e.g. "--num_subrounds=3"; with --runtimes=tff)')
   parser.add_argument('--same_flags', action='store_true',
                       help='no NEW_ONLY_FLAGS: the commit has every flag of '
                       'this tree (e.g. a commit after compiled cohorts)')
@@ -165,11 +170,12 @@ def main() -> int:
   identical = 0
   try:
     for runtime in args.runtimes.split(','):
+      both = args.tff_flags.split() if runtime == 'tff' else []
       for name in names:
         old = _train(old_tree, name, runtime,
-                     os.path.join(work, 'old', runtime), [])
+                     os.path.join(work, 'old', runtime), both)
         new = _train(ROOT, name, runtime, os.path.join(work, 'new', runtime),
-                     [] if args.same_flags else NEW_ONLY_FLAGS)
+                     both + ([] if args.same_flags else NEW_ONLY_FLAGS))
         verdict, notes = compare(old, new)
         identical += verdict == 'identical'
         print(f'{runtime:6s} {name:15s} {verdict}' +
