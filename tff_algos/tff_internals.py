@@ -429,19 +429,26 @@ def _add_leafwise(merge, first, second):
   AddV2 (as the worker adds: flushing subnormal floats to zero, unlike
   NumPy), in the structure TFF's call returns."""
   import tensorflow as tf  # Loaded by TFF already.
-  types = structure.flatten(merge.type_signature.result)
-  firsts = structure.flatten(structure.from_container(first, recursive=True))
-  seconds = structure.flatten(structure.from_container(second,
-                                                       recursive=True))
+  result_type = merge.type_signature.result
+  types = structure.flatten(result_type)
+  firsts, seconds = _leaves(first), _leaves(second)
   if not len(types) == len(firsts) == len(seconds):
     raise ValueError(f'a merge of {len(firsts)} and {len(seconds)} values '
                      f'where its computation takes {len(types)}')
   sums = [tf.raw_ops.AddV2(x=tf.convert_to_tensor(a, t.dtype),
                            y=tf.convert_to_tensor(b, t.dtype)).numpy()
           for t, a, b in zip(types, firsts, seconds)]
+  if not isinstance(result_type, computation_types.StructType):
+    return sums[0]  # TFF's mergeable forms merge structs; in case not.
   return type_conversions.type_to_py_container(
-      structure.pack_sequence_as(merge.type_signature.result, sums),
-      merge.type_signature.result)
+      structure.pack_sequence_as(result_type, sums), result_type)
+
+
+def _leaves(value) -> list:
+  try:
+    return structure.flatten(structure.from_container(value, recursive=True))
+  except TypeError:  # Not a container: one tensor.
+    return [value]
 
 
 class _ThreadedContext(context_base.AsyncContext):
