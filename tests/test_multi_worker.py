@@ -322,27 +322,50 @@ def test_sum_merges_are_made_in_this_process_with_the_workers_bits(
   assert local[1] == np.int32(-2**31 + 2**30)  # Wrapped, as TF's does.
 
 
-def _merge_of(merge_fn):
-  value = tff.TensorType(np.float32, [3])
+def _pair_sum(a, b):
+  return a[0] + b[0], a[1] + b[1]
+
+
+def _merge_of(merge_fn, value=tff.TensorType(np.float32, [3]),
+              accumulate=lambda a, b: a + b):
 
   @tff.federated_computation(tff.FederatedType(value, tff.CLIENTS))
   def aggregate(values):
     return tff.federated_aggregate(
-        values, np.zeros(3, np.float32),
-        tff.tensorflow.computation(lambda a, b: a + b, value, value),
+        values, _zeros(value),
+        tff.tensorflow.computation(accumulate, value, value),
         tff.tensorflow.computation(merge_fn, value, value),
         tff.tensorflow.computation(lambda a: a, value))
 
   return tff_internals.merge_computation(aggregate)
 
 
+def _zeros(value):
+  if isinstance(value, tff.StructType):
+    return tuple(_zeros(element) for element in value)
+  return np.zeros(value.shape, value.dtype)
+
+
+def _checked_sum(a, b):
+  with tf.control_dependencies([tf.debugging.assert_less(a + b, 100.0)]):
+    return tf.identity(a + b)
+
+
 def test_only_a_leafwise_sum_is_merged_in_this_process():
   assert tff_internals.adds_leafwise(_merge_of(lambda a, b: a + b))
-  assert tff_internals.adds_leafwise(_merge_of(lambda a, b: b + a))
-  for merge_fn in (lambda a, b: tf.maximum(a, b), lambda a, b: a - b, lambda a, b: a + a,
+  # b + a: the same sum but for which NaN it returns; a call to a worker.
+  for merge_fn in (lambda a, b: tf.maximum(a, b), lambda a, b: a - b,
+                   lambda a, b: a + a, lambda a, b: b + a,
                    lambda a, b: 2.0 * (a + b), lambda a, b: a + b + 1.0,
-                   lambda a, b: tf.reverse(a + b, [0])):
+                   lambda a, b: tf.reverse(a + b, [0]), _checked_sum):
     assert not tff_internals.adds_leafwise(_merge_of(merge_fn)), merge_fn
+  pair = tff.StructType([tff.TensorType(np.float32, [3]),
+                         tff.TensorType(np.float32, [3])])
+  assert tff_internals.adds_leafwise(_merge_of(_pair_sum, pair, _pair_sum))
+  for crossed in (lambda a, b: (a[1] + b[1], a[0] + b[0]),
+                  lambda a, b: (a[0] + b[1], a[1] + b[0])):
+    assert not tff_internals.adds_leafwise(_merge_of(crossed, pair,
+                                                     _pair_sum))
 
 
 def test_central_update_runs_once_per_round_with_sub_rounds(

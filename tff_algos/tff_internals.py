@@ -354,8 +354,9 @@ def adds_leafwise(merge) -> bool:
   a_i + b_i (TF's AddV2) for every tensor i of A and nothing else.
 
   Read off its graph: each result tensor, through Identity ops, is an AddV2
-  of the two arguments' i-th placeholders. Anything else (a factory's merge,
-  a cast, a constant) is False, and such merges stay TFF calls."""
+  of the two arguments' i-th placeholders, in that order, with no control
+  input on the way. Anything else (a factory's merge, a cast, a constant, an
+  assertion) is False, and such merges stay TFF calls."""
   with _LEAFWISE_SUMS_LOCK:
     known = _LEAFWISE_SUMS.get(id(merge))
     if known is None or known[0] is not merge:
@@ -399,27 +400,27 @@ def _reads_as_leafwise_sum(merge) -> bool:
 
   def producer(tensor_name):
     """The node making a tensor, past Identity ops; None if it is not a
-    single-output node's only tensor."""
+    single-output node's only tensor, or if a control input (an assertion,
+    a print) is on the way."""
     name, _, index = tensor_name.partition(':')
     node = nodes.get(name)
     while index in ('', '0') and node is not None and node.op == 'Identity':
-      inputs = [i for i in node.input if not i.startswith('^')]
-      if len(inputs) != 1:
+      if len(node.input) != 1 or node.input[0].startswith('^'):
         return None
-      name, _, index = inputs[0].partition(':')
+      name, _, index = node.input[0].partition(':')
       node = nodes.get(name)
     return node if index in ('', '0') else None
 
   for result, first, second in zip(results, *arguments):
     add = producer(result)
     first, second = producer(first), producer(second)
-    if (add is None or add.op != 'AddV2' or first is None or second is None
-        or first.op != 'Placeholder' or second.op != 'Placeholder' or
-        first.name == second.name):
+    if (add is None or add.op != 'AddV2' or len(add.input) != 2 or
+        first is None or second is None or first.op != 'Placeholder' or
+        second.op != 'Placeholder' or first.name == second.name):
       return False
-    inputs = [producer(i) for i in add.input if not i.startswith('^')]
-    if (len(inputs) != 2 or None in inputs or
-        sorted(n.name for n in inputs) != sorted((first.name, second.name))):
+    # In this order: a + b and b + a differ in which NaN they return.
+    if [getattr(producer(i), 'name', None) for i in add.input] != [
+        first.name, second.name]:
       return False
   return True
 
@@ -435,9 +436,10 @@ def _add_leafwise(merge, first, second):
   if not len(types) == len(firsts) == len(seconds):
     raise ValueError(f'a merge of {len(firsts)} and {len(seconds)} values '
                      f'where its computation takes {len(types)}')
-  sums = [tf.raw_ops.AddV2(x=tf.convert_to_tensor(a, t.dtype),
-                           y=tf.convert_to_tensor(b, t.dtype)).numpy()
-          for t, a, b in zip(types, firsts, seconds)]
+  with tf.device('/CPU:0'):  # The worker's kernel, also beside a GPU.
+    sums = [tf.raw_ops.AddV2(x=tf.convert_to_tensor(a, t.dtype),
+                             y=tf.convert_to_tensor(b, t.dtype)).numpy()
+            for t, a, b in zip(types, firsts, seconds)]
   if not isinstance(result_type, computation_types.StructType):
     return sums[0]  # TFF's mergeable forms merge structs; in case not.
   return type_conversions.type_to_py_container(
