@@ -1,5 +1,6 @@
 """Test-session set-up: TFF's local runtime, and no worker left behind."""
 
+import os
 import signal
 import warnings
 
@@ -10,6 +11,7 @@ from pipeline import tf_logs
 tf_logs.quiet_tensorflow_import()  # Before anything imports TensorFlow.
 
 from pipeline import private_temp  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tff_algos.runtime import cohort  # pylint: disable=g-import-not-at-top,wrong-import-position
 from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -23,6 +25,11 @@ class TestTimeLimitExceeded(Exception):
 
 
 def pytest_configure(config):
+  # The suite runs two test processes on the cores (scripts/test.sh): a
+  # native run's lanes, each tracing its own group computation, would only
+  # compete with the other process. Results do not depend on it
+  # (test_native_runtime checks); the binaries the tests start inherit it.
+  os.environ.setdefault(cohort.CONCURRENT_LANES_ENV, '1')
   config.addinivalue_line(
       'markers', 'time_limit(seconds): this test\'s time limit')
   # TF/TFF dependencies warn about distutils at import; not ours to fix.

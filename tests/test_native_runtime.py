@@ -395,3 +395,25 @@ def test_compiled_cohort_equals_per_client_rounds(name, task, fedres_task,
   assert not np.allclose(
       round_lib.get_model_weights(histories[0][0][0]).trainable[0],
       round_lib.get_model_weights(histories[0][-1][0]).trainable[0])
+
+
+def test_lanes_run_at_once_or_one_at_a_time_to_the_same_bits(
+    task, tmp_path, monkeypatch):
+  # The test script runs one lane at a time (cohort.CONCURRENT_LANES_ENV);
+  # users get one per core at once. The groups are the same either way.
+  monkeypatch.setattr(os, 'cpu_count', lambda: 3)
+  definition = algorithm_registry.build('scaffold', task, CONFIGS['scaffold'])
+  histories, lanes = [], []
+  for cap in ('', '1'):
+    monkeypatch.setenv(cohort.CONCURRENT_LANES_ENV, cap)
+    formats = driver.state_format(definition, str(tmp_path / f'cap{cap}'))
+    process = driver.compose_process(definition, task, 'native', formats)
+    lanes.append(len(process._lanes))  # pylint: disable=protected-access
+    histories.append(run_process_rounds(
+        definition, task, process, formats, num_rounds=2,
+        clients_per_round=NUM_CLIENTS, clients_per_group=2))
+  assert lanes == [3, 1]
+  for at_once, one_at_a_time in zip(*histories):
+    for a, b in zip(tf.nest.flatten(at_once), tf.nest.flatten(one_at_a_time),
+                    strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -329,6 +329,23 @@ def native_lanes() -> int:
   return max(1, os.cpu_count() or 1)
 
 
+# Caps how many of the native runtime's lanes run at once (the groups stay
+# one per lane, so the results do not change). The test script sets it to 1:
+# its two test processes already share the cores, and each extra lane traces
+# its own copy of the group computation.
+CONCURRENT_LANES_ENV = 'FL_NATIVE_CONCURRENT_LANES'
+
+
+def concurrent_native_lanes() -> int:
+  """How many lanes the native runtime runs at once: `native_lanes()`,
+  or fewer where `CONCURRENT_LANES_ENV` says so."""
+  lanes = native_lanes()
+  cap = os.environ.get(CONCURRENT_LANES_ENV, '')
+  if cap.isdigit() and int(cap) >= 1:
+    return min(lanes, int(cap))
+  return lanes
+
+
 def _execution_slots() -> int:
   # pylint: disable=g-import-not-at-top
   from pipeline import tff_runtime

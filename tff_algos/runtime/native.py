@@ -82,7 +82,7 @@ class NativeProcess:
     self.batched = side_by_side is not None
     if self.batched:
       # Stateless functions of their inputs: lanes can share one.
-      self._lanes = [side_by_side] * cohort.native_lanes()
+      self._lanes = [side_by_side] * cohort.concurrent_native_lanes()
     else:
       group_update = cohort.build_group_update(
           definition, dataset_fn,
@@ -91,7 +91,7 @@ class NativeProcess:
       # One group computation per concurrent lane, each with its own client
       # context (models, variables): lanes must not share variables.
       self._lanes = [group_update(definition.client_context())
-                     for _ in range(cohort.native_lanes())]
+                     for _ in range(cohort.concurrent_native_lanes())]
     # Without AutoGraph, as TFF traces them (their control flow is TF's).
     self._broadcast = tf.function(definition.broadcast, autograph=False)
     # Eager but for the server update: metric finalizers build Keras
