@@ -18,6 +18,7 @@ import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
 from tasks import residual
+from tff_algos import tff_internals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +137,10 @@ class Task:
     return dataset_fn_of(self.server_dataset_computation)
 
   def model_fn(self) -> tff.learning.models.VariableModel:
-    return tff.learning.models.from_keras_model(
+    model = tff.learning.models.from_keras_model(
         self.keras_model_fn(), loss=self.loss_fn(),
         input_spec=self.batch_spec, metrics=self.metrics_fn())
+    return tff_internals.without_autograph(model)
 
 
 def check_batches_fit(task: Task, config: DataConfig) -> None:

@@ -37,7 +37,9 @@ import asyncio
 import gc
 import subprocess
 import threading
+import types
 
+import tensorflow as tf
 import tensorflow_federated as tff
 
 SUPPORTED_VERSION = '0.87.0'
@@ -86,6 +88,32 @@ reject_non_finite_update = apply_optimizer_finalizer.reject_non_finite_update
 def keras_model_of(model):
   """The Keras model inside a `from_keras_model` model, else None."""
   return getattr(model, '_keras_model', None)
+
+
+# tff.learning's Keras model wraps these methods in tf.functions with
+# AutoGraph, which converts their Python source (and the Keras metrics'
+# update_state they call) the first time a process traces them: about 2.5 s
+# of a run's first round here, paid again by every new process. They branch
+# only on Python values, so they trace to the same ops without it.
+_KERAS_MODEL_FUNCTIONS = ('forward_pass', 'predict_on_batch', 'reset_metrics',
+                          'report_local_unfinalized_metrics')
+
+
+def without_autograph(model):
+  """A `from_keras_model` model whose methods trace without AutoGraph (the
+  same ops, no conversion); any other model unchanged."""
+  if keras_model_of(model) is None:
+    return model
+  for name in _KERAS_MODEL_FUNCTIONS:
+    function = getattr(type(model), name, None)
+    python_function = getattr(function, 'python_function', None)
+    if python_function is not None:
+      # do_not_convert also keeps the Keras metrics' update_state, which
+      # converts itself unless AutoGraph is off around it, unconverted.
+      setattr(model, name, tf.function(
+          tf.autograph.experimental.do_not_convert(
+              types.MethodType(python_function, model)), autograph=False))
+  return model
 
 
 def keras_losses_of(model) -> list:
@@ -429,17 +457,16 @@ def _add_leafwise(merge, first, second):
   """`merge(first, second)` for a leafwise sum, in this process with TF's
   AddV2 (as the worker adds: flushing subnormal floats to zero, unlike
   NumPy), in the structure TFF's call returns."""
-  import tensorflow as tf  # Loaded by TFF already.
   result_type = merge.type_signature.result
-  types = structure.flatten(result_type)
+  leaf_types = structure.flatten(result_type)
   firsts, seconds = _leaves(first), _leaves(second)
-  if not len(types) == len(firsts) == len(seconds):
+  if not len(leaf_types) == len(firsts) == len(seconds):
     raise ValueError(f'a merge of {len(firsts)} and {len(seconds)} values '
-                     f'where its computation takes {len(types)}')
+                     f'where its computation takes {len(leaf_types)}')
   with tf.device('/CPU:0'):  # The worker's kernel, also beside a GPU.
     sums = [tf.raw_ops.AddV2(x=tf.convert_to_tensor(a, t.dtype),
                              y=tf.convert_to_tensor(b, t.dtype)).numpy()
-            for t, a, b in zip(types, firsts, seconds)]
+            for t, a, b in zip(leaf_types, firsts, seconds)]
   if not isinstance(result_type, computation_types.StructType):
     return sums[0]  # TFF's mergeable forms merge structs; in case not.
   return type_conversions.type_to_py_container(
