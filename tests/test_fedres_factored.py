@@ -26,6 +26,7 @@ from tasks import base
 from tasks import residual
 from tff_algos.algorithms import registry
 from tff_algos.algorithms.fedres import definition as fedres
+from tff_algos.algorithms.fedres import export as fedres_export
 from tff_algos.algorithms.fedres import math as fedres_math
 from tff_algos.algorithms.scaffold import factored
 
@@ -91,14 +92,15 @@ class Run:
 
 
 def _train(root, name, task, rounds=3, runtime='tff', clients_per_round=2,
-           clients_per_group=0, rounds_per_checkpoint=None, **settings):
+           clients_per_group=0, rounds_per_checkpoint=None, export=False,
+           **settings):
   definition = registry.build('fedres_avg', task, fedres.FedResAvgSettings(
       **{**SETTINGS, **settings}))
   config = driver.RunConfig(
       root_output_dir=str(root), experiment_name=name, total_rounds=rounds,
       clients_per_round=clients_per_round, rounds_per_eval=rounds,
       rounds_per_checkpoint=rounds_per_checkpoint or rounds, seed=SEED,
-      clients_per_group=clients_per_group, export=False, runtime=runtime)
+      clients_per_group=clients_per_group, export=export, runtime=runtime)
   result = driver.train(definition, task, config)
   states = driver.committed_client_states(definition, task, config.run_dir)
   return Run(result, list(states.read(list(task.train_client_ids))))
@@ -184,6 +186,9 @@ def test_factored_control_variates_compute_the_dense_rounds(run, runtime):
               factored_control_variates=False)
   factors = run(f'factored_{runtime}', runtime=runtime)
   _assert_same_rounds(factors, dense)
+  # Step 1's loss, at w read from the factored kernel's layer.
+  assert factors.result.last_metrics['train/loss'] == pytest.approx(
+      dense.result.last_metrics['train/loss'], rel=1e-6)
   # The kernel's c_i is stored as factors, the bias's dense.
   for state in factors.states:
     assert [np.shape(e) for e in state['control'][0]] == [
@@ -266,3 +271,38 @@ def test_a_resumed_factored_run_is_bit_identical(tmp_path, runtime):
   for a, b in zip(tf.nest.flatten(resumed.states),
                   tf.nest.flatten(straight.states), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_personalized_evaluation_and_export_read_theta_beside_factors(
+    tmp_path):
+  # Both read theta_i from the stored states, which hold the factored c_i
+  # beside it: what they report and write equals the dense run's.
+  xs, ys = scaffold_factored._arrays()  # pylint: disable=protected-access
+  client = lambda client_id: int(client_id)
+  batches = lambda client_id: tf.data.Dataset.from_tensor_slices(
+      (xs[client(client_id)], ys[client(client_id)])).batch(BATCH)
+  task = build_task()
+  task = dataclasses.replace(task, personal_eval_data=base.PersonalEvalData(
+      client_ids=task.train_client_ids, test_dataset_fn=batches,
+      train_dataset_fn=lambda client_id, seed: batches(client_id)))
+  factors, dense = [_train(tmp_path, f'{form}', task, export=True,
+                           factored_control_variates=form)
+                    for form in (True, False)]
+  metrics = [k for k in dense.result.last_metrics
+             if k.startswith('eval_personalized/')]
+  assert 'eval_personalized/loss' in metrics
+  for key in metrics:
+    assert factors.result.last_metrics[key] == pytest.approx(
+        dense.result.last_metrics[key], rel=1e-5), key
+  initial = np.concatenate([np.ravel(w) for w in fedres.initial_weights(
+      task.residual_spec)[1]])
+  trained = 0
+  for client_id, state in zip(task.train_client_ids, factors.states):
+    theta, stored = fedres_export.local_weights_for(
+        str(tmp_path / 'True' / 'export'), client_id)
+    if not stored:
+      continue
+    want = np.concatenate([np.ravel(w) for w in state['local_model']])
+    np.testing.assert_array_equal(theta, want)
+    trained += not np.array_equal(theta, initial)
+  assert trained >= 2

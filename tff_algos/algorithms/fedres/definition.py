@@ -4,7 +4,8 @@ Algorithms 2-4).
 The math is in `math`:
 
   server state  <global_model_weights=w[, control=c]>
-  client state  <local_model=theta_i[, control=c_i]>
+  client state  <local_model=theta_i[, control=c_i]> (Option II: eligible
+                 kernels' c_i as factors, `math.client_work`)
   message       <global_weights=w[, control=c]>
   client sends  w_i - w (uniform mean), c_i+ - c_i (Option II, summed),
                 its loss sum and example count

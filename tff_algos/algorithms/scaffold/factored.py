@@ -42,6 +42,10 @@ a product with float32 inputs of one row per example (`_single_products`).
 Each step checks that the layer ran once, on at most B rows, within K
 steps. In floats, these products round differently from dense steps;
 `--factored_control_variates=false` keeps every c_i and step dense.
+
+FedResAvg's Option II (`fedres.math`) keeps the c_i of its global model's
+kernels the same way: its Step 2 is this corrected SGD on w, and its c_i+
+the mean of Step 2's gradients.
 """
 
 import dataclasses
