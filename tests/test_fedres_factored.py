@@ -15,6 +15,7 @@ scales the server step that the kernel's update, sent as
 """
 
 import dataclasses
+import math
 from typing import Optional
 
 import numpy as np
@@ -24,6 +25,7 @@ import tensorflow as tf
 from pipeline import driver
 from tasks import base
 from tasks import residual
+from tff_algos.aggregation import factories
 from tff_algos.algorithms import registry
 from tff_algos.algorithms.fedres import definition as fedres
 from tff_algos.algorithms.fedres import export as fedres_export
@@ -84,7 +86,8 @@ def build_task(diverging_client: Optional[int] = None,
 @dataclasses.dataclass
 class Run:
   result: driver.TrainResult
-  states: list  # Every client's stored state, in id order.
+  # Every client's stored state, in id order (None: not read).
+  states: Optional[list]
 
   @property
   def server_control(self):
@@ -93,7 +96,7 @@ class Run:
 
 def _train(root, name, task, rounds=3, runtime='tff', clients_per_round=2,
            clients_per_group=0, rounds_per_checkpoint=None, export=False,
-           **settings):
+           aggregator=None, **settings):
   definition = registry.build('fedres_avg', task, fedres.FedResAvgSettings(
       **{**SETTINGS, **settings}))
   config = driver.RunConfig(
@@ -101,7 +104,12 @@ def _train(root, name, task, rounds=3, runtime='tff', clients_per_round=2,
       clients_per_round=clients_per_round, rounds_per_eval=rounds,
       rounds_per_checkpoint=rounds_per_checkpoint or rounds, seed=SEED,
       clients_per_group=clients_per_group, export=export, runtime=runtime)
-  result = driver.train(definition, task, config)
+  result = driver.train(
+      definition, task, config, model_aggregator=(
+          None if aggregator is None else
+          factories.build(aggregator, clients_per_round)))
+  if aggregator is not None:  # Its state is in the checkpoint too.
+    return Run(result, None)
   states = driver.committed_client_states(definition, task, config.run_dir)
   return Run(result, list(states.read(list(task.train_client_ids))))
 
@@ -238,6 +246,22 @@ def test_a_diverging_client_keeps_its_state_and_adds_nothing(tmp_path,
     np.testing.assert_array_equal(entry, np.zeros_like(entry))
   for got, want in zip(kept['local_model'], initial, strict=True):
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_per_client_aggregator_gets_each_factored_clients_update(
+    run, tmp_path):
+  # The kernel's w_i - w travels as -K_i eta (c_i+ - c_i + c), c from the
+  # message's `control`; a per-client aggregator gets each client's update
+  # formed: robust aggregation without clipping or zeroing is the mean, and
+  # the rounds equal the dense ones. (TFF's runtime: the native one runs
+  # the mean only.)
+  robust = factories.AggregatorSettings(
+      aggregator=factories.ROBUST, clip_norm=math.inf, zeroing=False)
+  robust_run = _train(tmp_path, 'robust', build_task(), aggregator=robust)
+  dense = run('dense_tff', runtime='tff', factored_control_variates=False)
+  _assert_close(robust_run.result.model_weights.trainable,
+                dense.result.model_weights.trainable)
+  _assert_close(robust_run.server_control, dense.server_control)
 
 
 def test_c_stays_the_mean_of_the_stored_factored_c_i(run):
