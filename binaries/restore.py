@@ -81,6 +81,11 @@ def load_run_flags() -> None:
   for name, value in hparams.items():
     if name in known and not FLAGS[name].present:
       FLAGS[name].value = _parse_stored(name, value, path)
+  # A run from before such a flag existed stored its client states in the
+  # form that value gives (FedRes's personalized evaluation reads them).
+  for name, value in flags_lib.VALUES_BEFORE_FLAG.items():
+    if name not in hparams and not FLAGS[name].present:
+      FLAGS[name].value = value
   try:
     FLAGS.validate_all_flags()
   except flags.IllegalFlagValueError as e:

@@ -79,6 +79,14 @@ def server_learning_rate():
   return setting(1.0, 'Server learning rate eta_s.', bound=POSITIVE)
 
 
+def factored_control_variates():
+  return setting(
+      True, 'Keep a Dense kernel\'s c_i as the factors A^T E of its mean '
+      'gradient where that is exact and smaller (SCAFFOLD/FedPVR option 2, '
+      'FedResAvg option 2, with --client_steps; docs/scaffold.md); false: '
+      'every c_i dense.')
+
+
 def client_weighting(paper_default: str):
   """The weights of the model updates' mean; each algorithm defaults to its
   paper's ([FedAvg]: examples, [SCAFFOLD] and [FedPVR]: uniform)."""

@@ -4,7 +4,8 @@ Algorithms 2-4).
 The math is in `math`:
 
   server state  <global_model_weights=w[, control=c]>
-  client state  <local_model=theta_i[, control=c_i]>
+  client state  <local_model=theta_i[, control=c_i]> (Option II: eligible
+                 kernels' c_i as factors, `math.client_work`)
   message       <global_weights=w[, control=c]>
   client sends  w_i - w (uniform mean), c_i+ - c_i (Option II, summed),
                 its loss sum and example count
@@ -31,6 +32,7 @@ from tff_algos.algorithms import settings as settings_lib
 from tff_algos.algorithms.fedres import evaluation
 from tff_algos.algorithms.fedres import export
 from tff_algos.algorithms.fedres import math
+from tff_algos.algorithms.scaffold import factored
 
 ModelWeights = tff.learning.models.ModelWeights
 OPTIONS = (1, 2)
@@ -59,6 +61,7 @@ class FedResAvgSettings(FedResSettings):
   fedres_alpha: float = settings_lib.setting(
       1.0, 'FedResAvg: alpha, the server step on the mean client delta.',
       bound=settings_lib.POSITIVE)
+  factored_control_variates: bool = settings_lib.factored_control_variates()
 
 
 def hyperparameters(variant: str, task: base.Task,
@@ -89,6 +92,21 @@ def initial_weights(spec) -> tuple[list[np.ndarray], list[np.ndarray]]:
           [v.numpy() for v in local_model.trainable_variables])
 
 
+def _factorable_kernels(hparams: math.Hyperparameters, task: base.Task,
+                        num_global_variables: int
+                        ) -> tuple[factored.FactoredKernel, ...]:
+  """The kernels of w whose c_i Option II can keep as factors: Step 2 is
+  SCAFFOLD's corrected SGD on w, so SCAFFOLD's rule picks them."""
+  config = task.data_config
+  if not hparams.uses_control or config is None:
+    return ()
+  spec = task.residual_spec
+  return factored.plan(lambda: math.ResidualModel(spec),
+                       (True,) * num_global_variables, config.client_steps,
+                       config.client_batch_size,
+                       parts=math.global_model_parts)
+
+
 def definition(variant: str, task: base.Task,
                settings: FedResSettings) -> round_lib.RoundDefinition:
   hparams = hyperparameters(variant, task, settings)
@@ -97,6 +115,16 @@ def definition(variant: str, task: base.Task,
   # Specs, not values: a model-sized constant in a computation costs its size
   # in every copy of the computation TFF makes (hundreds of MB here).
   global_specs = [tf.TensorSpec(w.shape, w.dtype) for w in initial_global]
+  factorable = _factorable_kernels(hparams, task, len(global_specs))
+  kernels = (factorable if getattr(settings, 'factored_control_variates',
+                                   False) else ())
+  hparams = dataclasses.replace(hparams, factored_kernels=kernels)
+
+  def client_context():
+    model = math.ResidualModel(spec)
+    factored.install(model, kernels, hparams.learning_rate,
+                     parts=math.global_model_parts)
+    return model
 
   def initial_server_state():
     # A fresh model's weights, made inside the computation (the driver then
@@ -143,12 +171,13 @@ def definition(variant: str, task: base.Task,
   return round_lib.RoundDefinition(
       name=f'fedres_{variant}', settings=settings,
       initial_server_state=initial_server_state, broadcast=broadcast,
-      client_context=lambda: math.ResidualModel(spec),
+      client_context=client_context,
       client_work=math.client_work(hparams), reset_client=lambda model: None,
       server_update=server_update, finalize_metrics=finalize_metrics,
       initial_client_state=initial_client_state,
       personalization=_personalization(task, settings, initial_local),
-      uploads_weight=False)
+      uploads_weight=False,
+      fixed_on_resume=factored.fixed_on_resume(factorable, kernels))
 
 
 def _local_weights_of(client_state) -> list[Any]:

@@ -23,6 +23,7 @@ from tasks import residual
 from tff_algos.algorithms import non_finite
 from tff_algos.algorithms import round as round_lib
 from tff_algos.algorithms import sgd_step
+from tff_algos.algorithms.scaffold import factored
 
 
 class ResidualModel:
@@ -52,17 +53,27 @@ class ResidualModel:
     return self.loss_fn(y, self.outputs(x))
 
 
+def global_model_parts(model: ResidualModel):
+  """The Keras model and variables of w, whose kernels `factored` keeps
+  (`factored.plan`, `factored.install`)."""
+  return model.global_model, model.global_weights
+
+
 def num_examples_in(batch) -> tf.Tensor:
   return tf.shape(tf.nest.flatten(batch[1])[0], out_type=tf.int64)[0]
 
 
 def _dense_gradients(tape, loss, variables) -> list[tf.Tensor]:
+  return _as_dense(tape.gradient(loss, variables), variables)
+
+
+def _as_dense(gradients, variables) -> list[tf.Tensor]:
   # Embedding gradients arrive as IndexedSlices; control variates and
   # averaged deltas are dense anyway. Some ops lose the static shape, which
   # the loop states below must keep.
   return [tf.zeros_like(v) if g is None else
           tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
-          for v, g in zip(variables, tape.gradient(loss, variables))]
+          for v, g in zip(variables, gradients)]
 
 
 def assign(variables: Sequence[tf.Variable], values) -> None:
@@ -136,6 +147,24 @@ def _corrected_global_step(model: ResidualModel, batch, learning_rate: float,
   else:
     sgd_step.corrected_sgd_step(model.global_weights, gradients,
                                 learning_rate, client_minus_server)
+  return tuple(gradients)
+
+
+@_step
+def _factored_corrected_global_step(model: ResidualModel, batch,
+                                    learning_rate: float,
+                                    client_minus_server, step,
+                                    dense_indices: tuple[int, ...]):
+  """`_corrected_global_step` as step `step` of Option II with the kernels
+  of `factored` (all of w but `dense_indices`): their layers compute W_k
+  from the round's factors and record this batch's; the other variables
+  step on their gradients. -> the other variables' g."""
+  variables = [model.global_weights[i] for i in dense_indices]
+  _, gradients = factored.recorded_gradients(
+      model, lambda: (None, model.batch_loss(batch)), variables, step)
+  gradients = _as_dense(gradients, variables)
+  sgd_step.corrected_sgd_step(variables, gradients, learning_rate,
+                              client_minus_server)
   return tuple(gradients)
 
 
@@ -228,6 +257,8 @@ class Hyperparameters:
   option: int = 1  # FedResAvg: 1 (c = c_i = 0) or 2 (control variates).
   server_step: float = 1.0  # alpha; 1 for Naive and SGD.
   num_train_clients: int = 1  # N of the |S|/N rule.
+  # Option II: the kernels of w whose c_i are kept as factors.
+  factored_kernels: tuple[factored.FactoredKernel, ...] = ()
 
   @property
   def uses_control(self) -> bool:
@@ -237,10 +268,13 @@ class Hyperparameters:
 def initial_client_state(hparams: Hyperparameters, initial_local_weights,
                          global_specs: Sequence[tf.TensorSpec]):
   """<local_model=theta_0[, control=0]> (c_i = 0, so round 1 of Option II is
-  Option I's)."""
+  Option I's; a factored kernel's c_i is its zero factors)."""
   state = collections.OrderedDict(local_model=list(initial_local_weights))
   if hparams.uses_control:
-    state['control'] = [tf.zeros(s.shape, s.dtype) for s in global_specs]
+    factored_at = {k.variable_index: k for k in hparams.factored_kernels}
+    state['control'] = [
+        factored_at[i].zeros() if i in factored_at else
+        tf.zeros(s.shape, s.dtype) for i, s in enumerate(global_specs)]
   return state
 
 
@@ -265,26 +299,58 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
   client as its new state. A client whose w_i - w or new state is not
   finite is dropped: it sends 0 (it still counts in the uniform mean, as a
   client without data), keeps theta_i (and c_i) and reports no metrics.
+
+  With `hparams.factored_kernels` (Option II) those kernels' c_i are kept as
+  factors and Step 2 takes their steps in factored form, as SCAFFOLD's
+  (`factored`): Step 2 is SCAFFOLD's corrected SGD on w, and c_i+ the mean
+  of its K_i gradients, A^T (D / K_i) for a Dense kernel. The kernel
+  variable keeps w all round, so Step 1 reads w there; the kernel's
+  w_i - w is sent as -K_i eta (c_i+ - c_i + c).
   """
   variant = hparams.variant
   eta, lam = hparams.learning_rate, hparams.local_learning_rate
+  kernels = tuple(hparams.factored_kernels)
+  if kernels and not hparams.uses_control:
+    raise ValueError('factored control variates need FedResAvg option 2')
+  # With all of w under control variates, a kernel's position among them is
+  # its variable index.
+  kernel_positions = [k.variable_index for k in kernels]
+  factored_at = {p: j for j, p in enumerate(kernel_positions)}
+
+  def dense_indices(model) -> tuple[int, ...]:
+    """The variables of w that are not factored kernels."""
+    return tuple(i for i in range(len(model.global_weights))
+                 if i not in factored_at)
+
+  def prepare(model, message):
+    factored.start_group(
+        model, [message['global_weights'][p] for p in kernel_positions],
+        [message['control'][p] for p in kernel_positions])
 
   def start(model, message, client_state):
-    assign(model.global_weights, message['global_weights'])
+    dense = dense_indices(model)
+    # The factored kernels keep w all round (`prepare`).
+    assign([model.global_weights[i] for i in dense],
+           [message['global_weights'][i] for i in dense])
     assign(model.local_weights, client_state['local_model'])
     carry = collections.OrderedDict(stats=_zero_stats())
     # FedResSGD's large-batch gradient and Option II's c_i+ sum the pass's
     # gradients; Option I uses neither.
     if variant == 'sgd' or hparams.uses_control:
       # Tuples, not lists: a loop would stack a list into one tensor.
-      carry['gradient_sums'] = tuple(tf.zeros_like(v)
-                                     for v in model.global_weights)
+      carry['gradient_sums'] = tuple(tf.zeros_like(model.global_weights[i])
+                                     for i in dense)
       carry['gradient_examples'] = tf.constant(0, tf.int64)
       carry['gradient_steps'] = tf.constant(0, tf.int64)
     if variant == 'avg' and hparams.uses_control:
       # c_i - c once per client, not once per step (the same values).
       carry['client_minus_server'] = tuple(client_minus_server(
-          message['control'], client_state['control']))
+          [message['control'][i] for i in dense],
+          [client_state['control'][i] for i in dense]))
+    if kernels:
+      factored.start_client(model, [client_state['control'][p]
+                                    for p in kernel_positions])
+      factored.start_steps_at_x(model)
     return carry
 
   def with_stats(carry, loss, n):
@@ -315,7 +381,12 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
     del message, client_state
     difference = (list(carry['client_minus_server']) if hparams.uses_control
                   else None)
-    gradients = _corrected_global_step(model, batch, eta, difference)
+    if kernels:
+      gradients = _factored_corrected_global_step(
+          model, batch, eta, difference, carry['gradient_steps'],
+          dense_indices(model))
+    else:
+      gradients = _corrected_global_step(model, batch, eta, difference)
     carry = collections.OrderedDict(carry)
     if hparams.uses_control:
       carry['gradient_sums'] = tuple(
@@ -325,23 +396,38 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
 
   def finish(model, message, client_state, carry):
     global_weights = message['global_weights']
+    dense = dense_indices(model)
     if variant == 'sgd':
       denominator = tf.cast(tf.maximum(carry['gradient_examples'], 1),
                             tf.float32)
       scale = eta * tf.cast(carry['gradient_steps'], tf.float32)
       delta = [-scale * (s / denominator) for s in carry['gradient_sums']]
     else:
-      delta = [v - w for v, w in zip(_read(model.global_weights),
-                                     global_weights)]
+      # The factored kernels' w_i - w come from their factors, below.
+      delta = [None] * len(global_weights)
+      for i, v in zip(dense, _read([model.global_weights[i]
+                                    for i in dense])):
+        delta[i] = v - global_weights[i]
     new_state = collections.OrderedDict(
         local_model=_read(model.local_weights))
+    differences = []  # The factored kernels' c_i+ - c_i.
     if hparams.uses_control:
-      denominator = tf.cast(tf.maximum(carry['gradient_steps'], 1),
-                            tf.float32)
-      new_state['control'] = updated_client_control(
-          client_state['control'],
-          [s / denominator for s in carry['gradient_sums']],
-          carry['gradient_steps'])
+      num_steps = carry['gradient_steps']
+      denominator = tf.cast(tf.maximum(num_steps, 1), tf.float32)
+      mean_gradient = dict(zip(dense, [s / denominator
+                                       for s in carry['gradient_sums']]))
+      if kernels:
+        new_state['control'], differences = factored.new_control_variates(
+            model, kernels, kernel_positions, num_steps,
+            lambda p: mean_gradient[p], client_state['control'])
+        # Checked below in place of the kernels' w_i - w: with c finite,
+        # w_i - w = -K_i eta (c_i+ - c_i + c) is finite when c_i+ - c_i is.
+        for kernel, difference in zip(kernels, differences):
+          delta[kernel.variable_index] = difference
+      else:
+        new_state['control'] = updated_client_control(
+            client_state['control'], [mean_gradient[i] for i in dense],
+            num_steps)
     # A client whose w_i - w or new state is not finite (it diverged) is
     # dropped as FedAvg drops it (`non_finite`), in FedRes's uniform mean as
     # a client without data: w_i - w = 0, theta_i (and c_i) kept, no
@@ -354,8 +440,17 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
                             (k, list(client_state[k])) for k in new_state))
     sums = collections.OrderedDict()
     if hparams.uses_control:
-      sums['control_delta'] = [n - c for n, c in zip(new_state['control'],
-                                                     client_state['control'])]
+      updated = (tf.logical_and(carry['gradient_steps'] > 0, kept)
+                 if kernels else None)
+      sums['control_delta'] = [
+          factored.control_variate_delta(
+              updated, n, c,
+              differences[factored_at[p]] if p in factored_at else None)
+          for p, (n, c) in enumerate(zip(new_state['control'],
+                                         client_state['control']))]
+      factored.set_model_updates(delta, kernels, kernel_positions, dropped,
+                                 carry['gradient_steps'], eta,
+                                 message_key='control')
     loss_sum, num_examples, _ = carry['stats']
     loss_sum = tf.where(kept, loss_sum, 0.0)
     num_examples = tf.where(kept, num_examples, tf.zeros_like(num_examples))
@@ -368,4 +463,5 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
   steps = {'naive': (joint_step,),
            'sgd': (local_step, large_batch_gradient_step),
            'avg': (local_step, corrected_global_step)}[variant]
-  return round_lib.ClientWork(start=start, steps=steps, finish=finish)
+  return round_lib.ClientWork(start=start, steps=steps, finish=finish,
+                              prepare=prepare if kernels else None)

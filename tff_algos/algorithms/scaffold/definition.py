@@ -38,10 +38,7 @@ class ScaffoldSettings(settings_lib.SgdClientSettings):
       'or 2 (from the local steps).', math.OPTIONS)
   drift_diversity: bool = settings_lib.setting(
       False, 'Log drift diversity per layer ([FedPVR] Definition 1).')
-  factored_control_variates: bool = settings_lib.setting(
-      True, 'Keep a Dense kernel\'s c_i as the factors A^T E of its mean '
-      'gradient where that is exact and smaller (option 2 with '
-      '--client_steps; docs/scaffold.md); false: every c_i dense.')
+  factored_control_variates: bool = settings_lib.factored_control_variates()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,19 +100,7 @@ def definition(name: str, model_fn: keras_model.ModelFn, settings,
   if settings.scaffold_option == math.OPTION_FROM_LOCAL_STEPS:
     factorable = factored.plan(model_fn, mask, *client_steps_and_batch)
   kernels = factorable if settings.factored_control_variates else ()
-  fixed_on_resume = {}
-  if factorable:
-    # Runs started before the flag existed kept every c_i dense
-    # (binaries.flags_lib.VALUES_BEFORE_FLAG).
-    fixed_on_resume['factored_control_variates'] = (
-        'the stored client states hold each c_i in the form the run chose; '
-        'a run from before this flag existed kept them dense: '
-        '--factored_control_variates=false')
-  if kernels:
-    fixed_on_resume.update(dict.fromkeys(
-        ('client_steps', 'client_batch_size'),
-        'the stored factored c_i have --client_steps x --client_batch_size '
-        'rows'))
+  fixed_on_resume = factored.fixed_on_resume(factorable, kernels)
   factored_at = dict(zip(factored.positions(mask, kernels), kernels))
   server_optimizer = settings_lib.optimizer(settings.server_optimizer,
                                             settings.server_learning_rate)

@@ -42,6 +42,10 @@ a product with float32 inputs of one row per example (`_single_products`).
 Each step checks that the layer ran once, on at most B rows, within K
 steps. In floats, these products round differently from dense steps;
 `--factored_control_variates=false` keeps every c_i and step dense.
+
+FedResAvg's Option II (`fedres.math`) keeps the c_i of its global model's
+kernels the same way: its Step 2 is this corrected SGD on w, and its c_i+
+the mean of Step 2's gradients.
 """
 
 import dataclasses
@@ -87,13 +91,21 @@ def _dense_layers(keras_model) -> list:
   return layers
 
 
-def _kernel_layers(model) -> dict[int, tf.keras.layers.Dense]:
-  """Trainable-variable index -> the plain Dense layer owning that kernel,
-  for a `from_keras_model` model without regularization losses."""
-  keras_model = tff_internals.keras_model_of(model)
+def tff_model_parts(model) -> tuple[Optional[tf.keras.Model], list]:
+  """(The Keras model, the trainable variables the kernels are indexed in)
+  of a `from_keras_model` model."""
+  return tff_internals.keras_model_of(model), model.trainable_variables
+
+
+def _kernel_layers(model, parts=tff_model_parts
+                   ) -> dict[int, tf.keras.layers.Dense]:
+  """Variable index -> the plain Dense layer owning that kernel, for a
+  Keras model without regularization losses: `parts(model)` gives the Keras
+  model and the variables."""
+  keras_model, variables = parts(model)
   if keras_model is None or keras_model.losses:
     return {}
-  index = {v.ref(): i for i, v in enumerate(model.trainable_variables)}
+  index = {v.ref(): i for i, v in enumerate(variables)}
   return {index[layer.kernel.ref()]: layer
           for layer in _dense_layers(keras_model)
           if layer.kernel.ref() in index}
@@ -151,18 +163,19 @@ def _single_products(keras_model) -> set:
   return found
 
 
-def plan(model_fn, mask: Sequence[bool], steps: Optional[int], batch: int
-         ) -> tuple[FactoredKernel, ...]:
+def plan(model_fn, mask: Sequence[bool], steps: Optional[int], batch: int,
+         parts=tff_model_parts) -> tuple[FactoredKernel, ...]:
   """The masked kernels whose control variates are smaller as factors of
-  `steps` batches of at most `batch` rows (steps None: unbounded, none)."""
+  `steps` batches of at most `batch` rows (steps None: unbounded, none).
+  `parts` as `_kernel_layers`' (the default: a tff.learning model)."""
   if steps is None:
     return ()
   with tf.Graph().as_default():
     model = model_fn()
-    layers = _kernel_layers(model)
+    layers = _kernel_layers(model, parts)
     if not any(mask[i] for i in layers):
       return ()
-    single_products = _single_products(tff_internals.keras_model_of(model))
+    single_products = _single_products(parts(model)[0])
     kernels = []
     for i, layer in sorted(layers.items()):
       inputs, units = (int(d) for d in layer.kernel.shape)
@@ -313,15 +326,16 @@ _captures = weakref.WeakKeyDictionary()
 
 
 def install(model, kernels: Sequence[FactoredKernel],
-            learning_rate: float) -> None:
+            learning_rate: float, parts=tff_model_parts) -> None:
   """Makes `kernels`' layers of this client model compute their calls from
-  the round's factors (plain SGD at `learning_rate`).
+  the round's factors (plain SGD at `learning_rate`); `parts` as
+  `plan`'s.
 
   Called where the client's model is built (its variables are made there,
   outside any loop)."""
   if not kernels:
     return
-  layers = _kernel_layers(model)
+  layers = _kernel_layers(model, parts)
   found = []
   for kernel in kernels:
     capture = _Capture(layers[kernel.variable_index], kernel, learning_rate)
@@ -358,9 +372,22 @@ def start_client(model, control_variates) -> None:
 
 def forward_and_gradients(model, batch, variables, step: tf.Tensor):
   """The training forward pass of `batch` as the client's step `step` and
-  the gradients of its loss at `variables`; records, per captured layer,
-  the loss's gradient at its pre-activations ([batch, units], zero rows
-  past the batch). Checks that each captured layer ran once."""
+  the gradients of its loss at `variables` (a tff.learning model's;
+  `recorded_gradients`)."""
+
+  def forward():
+    output = model.forward_pass(batch, training=True)
+    return output, output.loss
+
+  return recorded_gradients(model, forward, variables, step)
+
+
+def recorded_gradients(model, forward, variables, step: tf.Tensor):
+  """`forward()` -> (output, loss), run as the client's step `step`, and
+  the gradients of the loss at `variables`: (output, gradients). Records,
+  per captured layer, the loss's gradient at its pre-activations
+  ([batch, units], zero rows past the batch). Checks that each captured
+  layer ran once."""
   found = captures(model)
   for capture in found:
     capture.calls.assign(0)
@@ -368,9 +395,8 @@ def forward_and_gradients(model, batch, variables, step: tf.Tensor):
   with tf.GradientTape() as tape:
     for capture in found:  # Not trainable: the tape would not watch it.
       tape.watch(capture.probe)
-    output = model.forward_pass(batch, training=True)
-  gradients = tape.gradient(output.loss,
-                            list(variables) + [c.probe for c in found])
+    output, loss = forward()
+  gradients = tape.gradient(loss, list(variables) + [c.probe for c in found])
   for capture, gradient in zip(found, gradients[len(variables):]):
     once = tf.debugging.assert_equal(
         capture.calls, 1, message=f'Dense layer {capture.layer.name} ran '
@@ -422,16 +448,96 @@ def difference(capture: _Capture, new, old) -> tf.Tensor:
 
 
 def model_update(difference_: tf.Tensor, num_steps: tf.Tensor,
-                 learning_rate: float, position: int
+                 learning_rate: float, position: int,
+                 message_key: str = 'control_variate'
                  ) -> round_lib.AffineUpdate:
   """The kernel's y - x = -K_i eta (c_i+ - c_i + c) ([SCAFFOLD] Alg. 1
   line 12 solved for y; the steps never formed y), c being the message's
-  control variate at `position`: the runtime sums the K_i eta (c_i+ - c_i)
-  and adds the c part once per group."""
+  control variate at `position` of `message_key`: the runtime sums the
+  K_i eta (c_i+ - c_i) and adds the c part once per group."""
   return round_lib.AffineUpdate(
       tensor=difference_,
       scale=-tf.cast(num_steps, tf.float32) * learning_rate,
-      offset=lambda message: message['control_variate'][position])
+      offset=lambda message: message[message_key][position])
+
+
+def set_model_updates(model_delta: list, kernels: Sequence[FactoredKernel],
+                      kernel_positions: Sequence[int], dropped: tf.Tensor,
+                      num_steps: tf.Tensor, learning_rate: float,
+                      message_key: str = 'control_variate') -> None:
+  """Replaces each kernel's entry of `model_delta` (its c_i+ - c_i, zeroed
+  for a dropped client) by its `model_update`."""
+  # A dropped client's update is zero: so is its scale (its c_i+ - c_i
+  # was zeroed; c would remain).
+  update_steps = tf.where(tf.equal(dropped, 0), num_steps,
+                          tf.zeros_like(num_steps))
+  for kernel, position in zip(kernels, kernel_positions):
+    model_delta[kernel.variable_index] = model_update(
+        model_delta[kernel.variable_index], update_steps, learning_rate,
+        position, message_key)
+
+
+def new_control_variates(model, kernels: Sequence[FactoredKernel],
+                         kernel_positions: Sequence[int],
+                         num_steps: tf.Tensor, dense_new, old):
+  """(c_i+, the kernels' c_i+ - c_i) of a client that took `num_steps`
+  steps: the kernels' c_i+ as factors (`new_state`), the others'
+  `dense_new(position)`; (c_i, zeros) of a client that took none. `old`:
+  the client's c_i, one entry per position."""
+  found = captures(model)
+  capture_at = dict(zip(kernel_positions, found))
+
+  def trained_client():
+    new = [new_state(capture_at[p], num_steps) if p in capture_at
+           else dense_new(p) for p in range(len(old))]
+    return new, [difference(capture, new[p], old[p])
+                 for capture, p in zip(found, kernel_positions)]
+
+  def untrained_client():
+    return list(old), [tf.zeros([k.inputs, k.units]) for k in kernels]
+
+  return tf.cond(num_steps > 0, trained_client, untrained_client)
+
+
+def control_variate_delta(updated: tf.Tensor, new, old,
+                          difference_: Optional[tf.Tensor]) -> tf.Tensor:
+  """c_i+ - c_i; exactly zero for a client that keeps c_i (a product of
+  stacked factors would not cancel exactly). `difference_`: a factored
+  kernel's product of factors, or None for a dense c_i."""
+  if difference_ is None:
+    return new - old
+  return tf.cond(updated, lambda: difference_,
+                 lambda: tf.zeros_like(difference_))
+
+
+def start_steps_at_x(model) -> None:
+  """Makes the captured layers compute at x, as a client's first step
+  does, in forward passes that are not the client's steps (FedResAvg's
+  Step 1, before them). Such a pass writes its rows where the first step
+  writes its own: a client with a batch takes a first step, whose rows
+  replace them."""
+  for capture in captures(model):
+    capture.step.assign(0)
+
+
+def fixed_on_resume(factorable: Sequence[FactoredKernel],
+                    kernels: Sequence[FactoredKernel]) -> dict[str, str]:
+  """The flags a resumed run may not change (`RoundDefinition`), given the
+  kernels that could be factored and those that are."""
+  fixed = {}
+  if factorable:
+    # Runs started before the flag existed kept every c_i dense
+    # (binaries.flags_lib.VALUES_BEFORE_FLAG).
+    fixed['factored_control_variates'] = (
+        'the stored client states hold each c_i in the form the run chose; '
+        'a run from before this flag existed kept them dense: '
+        '--factored_control_variates=false')
+  if kernels:
+    fixed.update(dict.fromkeys(
+        ('client_steps', 'client_batch_size'),
+        'the stored factored c_i have --client_steps x --client_batch_size '
+        'rows'))
+  return fixed
 
 
 def dense(factors) -> tf.Tensor:

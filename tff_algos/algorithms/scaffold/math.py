@@ -262,7 +262,6 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
                    for i, (v, w) in enumerate(zip(trainable, x.trainable))]
     num_steps = carry['num_steps']
     trained = num_steps > 0
-    captures = factored.captures(model)
     differences = []  # The factored kernels' c_i+ - c_i.
     if option == OPTION_GRADIENT_AT_SERVER_MODEL:
       new_cv = _unless_untrained(trained, lambda: list(carry['gradient_at_x']),
@@ -273,34 +272,24 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
       client_minus_server = dict(zip(dense_positions,
                                      carry['client_minus_server']))
 
-      def new_control_variate(position, delta):
-        if position in factored_at:  # The mean gradient A^T (D / K_i).
-          return factored.new_state(captures[factored_at[position]],
-                                    num_steps)
+      def new_dense_control_variate(position):
         # c_i+ = c_i - c + (x - y) / (K_i * eta); x - y = -delta.
-        return client_minus_server[position] - delta / steps_times_lr
-
-      def new_control_variates():
-        return [new_control_variate(p, d) for p, d in enumerate(masked_delta)]
+        return (client_minus_server[position] -
+                masked_delta[position] / steps_times_lr)
 
       if kernels:
-        def trained_client():
-          new = new_control_variates()
-          return new, [factored.difference(capture, new[p], client_cv[p])
-                       for capture, p in zip(captures, kernel_positions)]
-
-        def untrained_client():
-          return list(client_cv), [tf.zeros([k.inputs, k.units])
-                                   for k in kernels]
-
-        new_cv, differences = tf.cond(trained, trained_client,
-                                      untrained_client)
+        # The kernels' c_i+ is their mean gradient A^T (D / K_i).
+        new_cv, differences = factored.new_control_variates(
+            model, kernels, kernel_positions, num_steps,
+            new_dense_control_variate, client_cv)
         # Checked below in place of the kernels' y - x: with c finite,
         # y - x = -K_i eta (c_i+ - c_i + c) is finite when c_i+ - c_i is.
         for kernel, difference in zip(kernels, differences):
           model_delta[kernel.variable_index] = difference
       else:
-        new_cv = _unless_untrained(trained, new_control_variates, client_cv)
+        new_cv = _unless_untrained(
+            trained, lambda: [new_dense_control_variate(p)
+                              for p in range(len(masked_delta))], client_cv)
     # A client whose update or c_i+ is not finite (it diverged) is dropped
     # as FedAvg drops it (`non_finite`), and keeps its c_i.
     (model_delta, new_cv), dropped = non_finite.zero_all_if_any_non_finite(
@@ -313,14 +302,8 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         lambda: (tf.constant(1.0) if uniform_weighting else
                  tf.cast(carry['num_examples'], tf.float32)))
     non_finite.reset_metrics_if(dropped, model)
-    # A dropped client's update is zero: so is its scale (its c_i+ - c_i
-    # was zeroed; c would remain).
-    update_steps = tf.where(tf.equal(dropped, 0), num_steps,
-                            tf.zeros_like(num_steps))
-    for kernel, position in zip(kernels, kernel_positions):
-      model_delta[kernel.variable_index] = factored.model_update(
-          model_delta[kernel.variable_index], update_steps, learning_rate,
-          position)
+    factored.set_model_updates(model_delta, kernels, kernel_positions,
+                               dropped, num_steps, learning_rate)
     measurements = collections.OrderedDict()
     if layer_of_variable is not None:
       model_delta = round_lib.dense_update(model_delta, message)
@@ -330,7 +313,7 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
     return round_lib.ClientResult(
         model_update=model_delta, weight=weight,
         sums=collections.OrderedDict(control_variate_delta=[
-            _control_variate_delta(
+            factored.control_variate_delta(
                 updated, n, o,
                 differences[factored_at[p]] if p in factored_at else None)
             for p, (n, o) in enumerate(zip(new_cv, client_cv))]),
@@ -346,17 +329,6 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         finish=finish)
   return round_lib.ClientWork(start=start, steps=(train_step,), finish=finish,
                               prepare=prepare if kernels else None)
-
-
-def _control_variate_delta(updated: tf.Tensor, new, old,
-                           difference: Optional[tf.Tensor]) -> tf.Tensor:
-  """c_i+ - c_i; exactly zero for a client that keeps c_i (a product of
-  stacked factors would not cancel exactly). `difference`: a factored
-  kernel's product of factors, or None for a dense c_i."""
-  if difference is None:
-    return new - old
-  return tf.cond(updated, lambda: difference,
-                 lambda: tf.zeros_like(difference))
 
 
 def _unless_untrained(trained: tf.Tensor, new_fn, old: Sequence[tf.Tensor]
