@@ -11,7 +11,6 @@ from pipeline import tf_logs
 tf_logs.quiet_tensorflow_import()  # Before anything imports TensorFlow.
 
 from pipeline import private_temp  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tff_algos.runtime import cohort  # pylint: disable=g-import-not-at-top,wrong-import-position
 from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -29,6 +28,7 @@ def pytest_configure(config):
   # native run's lanes, each tracing its own group computation, would only
   # compete with the other process. Results do not depend on it
   # (test_native_runtime checks); the binaries the tests start inherit it.
+  from tff_algos.runtime import cohort  # pylint: disable=g-import-not-at-top
   os.environ.setdefault(cohort.CONCURRENT_LANES_ENV, '1')
   config.addinivalue_line(
       'markers', 'time_limit(seconds): this test\'s time limit')

@@ -17,6 +17,7 @@ import tensorflow as tf
 from pipeline import driver
 from pipeline import export as export_lib
 from pipeline import tff_runtime
+from pipeline.errors import UsageError
 from tasks import base
 import fedres_testing
 from tff_algos.algorithms import registry as algorithm_registry
@@ -417,3 +418,10 @@ def test_lanes_run_at_once_or_one_at_a_time_to_the_same_bits(
     for a, b in zip(tf.nest.flatten(at_once), tf.nest.flatten(one_at_a_time),
                     strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('value', ['0', '-1', 'two', '²'])
+def test_an_impossible_lane_cap_is_one_clear_error(monkeypatch, value):
+  monkeypatch.setenv(cohort.CONCURRENT_LANES_ENV, value)
+  with pytest.raises(UsageError, match=cohort.CONCURRENT_LANES_ENV):
+    cohort.concurrent_native_lanes()

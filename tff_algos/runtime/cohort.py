@@ -43,6 +43,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from pipeline.errors import UsageError
 from tff_algos.algorithms import round as round_lib
 from tff_algos.runtime import client_states
 
@@ -341,9 +342,15 @@ def concurrent_native_lanes() -> int:
   or fewer where `CONCURRENT_LANES_ENV` says so."""
   lanes = native_lanes()
   cap = os.environ.get(CONCURRENT_LANES_ENV, '')
-  if cap.isdigit() and int(cap) >= 1:
-    return min(lanes, int(cap))
-  return lanes
+  if not cap:
+    return lanes
+  try:
+    cap_value = int(cap)
+  except ValueError:
+    cap_value = 0
+  if cap_value < 1:
+    raise UsageError(f'{CONCURRENT_LANES_ENV}={cap!r} must be an integer >= 1')
+  return min(lanes, cap_value)
 
 
 def _execution_slots() -> int:
