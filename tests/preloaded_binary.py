@@ -11,16 +11,21 @@ server itself never runs TensorFlow, so the fork copies no running threads.
   python tests/preloaded_binary.py binaries.train
 
 Requests are JSON lines on stdin: {"argv": [...], "stdout": path,
-"stderr": path}; each answer is a JSON line {"status": exit status, or
--signal}. `PreloadedBinary` is the client.
+"stderr": path}; each answer is two JSON lines, {"pid": the child's pid}
+and, once it ended, {"status": exit status, or -signal}. `PreloadedBinary`
+is the client.
 """
 
+import atexit
 import importlib
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 
 def _child(module, argv: list[str], stdout: str, stderr: str) -> None:
@@ -58,6 +63,7 @@ def serve(module_name: str) -> None:
     pid = os.fork()
     if pid == 0:
       _child(module, request['argv'], request['stdout'], request['stderr'])
+    print(json.dumps({'pid': pid}), flush=True)
     _, wait_status = os.waitpid(pid, 0)
     print(json.dumps({'status': os.waitstatus_to_exitcode(wait_status)}),
           flush=True)
@@ -68,9 +74,11 @@ def serve(module_name: str) -> None:
 
 
 class PreloadedBinary:
-  """A running server of one binary (see module doc). Not thread-safe."""
+  """A running server of one binary (see module doc); one run at a time."""
 
   def __init__(self, module_name: str, cwd: str, env: dict):
+    self.env = dict(env)
+    self._lock = threading.Lock()
     self._server = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), module_name], cwd=cwd,
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -79,25 +87,62 @@ class PreloadedBinary:
       self.close()
       raise RuntimeError(f'{module_name} did not load: {ready!r}')
 
-  def run(self, argv: list[str]) -> subprocess.CompletedProcess:
-    """Runs the binary with `argv` (stdin empty) and waits for it."""
-    with tempfile.TemporaryDirectory() as directory:
+  def run(self, argv: list[str],
+          timeout: float = None) -> subprocess.CompletedProcess:
+    """Runs the binary with `argv` (stdin empty) and waits for it; after
+    `timeout` seconds it is killed and `subprocess.TimeoutExpired` raised,
+    as `subprocess.run` does."""
+    with self._lock, tempfile.TemporaryDirectory() as directory:
       stdout = os.path.join(directory, 'stdout')
       stderr = os.path.join(directory, 'stderr')
       self._server.stdin.write(json.dumps(
           {'argv': [str(a) for a in argv], 'stdout': stdout,
            'stderr': stderr}) + '\n')
       self._server.stdin.flush()
-      answer = self._server.stdout.readline()
-      if not answer:
-        raise RuntimeError('the binary server died')
+      pid = json.loads(self._answer())['pid']
+      # The status line is written at once: no read below blocks on half.
+      ready, _, _ = select.select([self._server.stdout], [], [], timeout)
+      timed_out = not ready
+      if timed_out:
+        os.kill(pid, signal.SIGKILL)
+      status = json.loads(self._answer())['status']
       with open(stdout) as out, open(stderr) as err:
-        return subprocess.CompletedProcess(
-            argv, json.loads(answer)['status'], out.read(), err.read())
+        if timed_out:
+          raise subprocess.TimeoutExpired(argv, timeout, out.read(),
+                                          err.read())
+        return subprocess.CompletedProcess(argv, status, out.read(),
+                                           err.read())
+
+  def _answer(self) -> str:
+    answer = self._server.stdout.readline()
+    if not answer:
+      raise RuntimeError('the binary server died')
+    return answer
 
   def close(self) -> None:
     self._server.stdin.close()
     self._server.wait(timeout=60)
+    self._server.stdout.close()
+
+
+_shared = {}
+_shared_lock = threading.Lock()
+
+
+def shared(module_name: str, cwd: str, env: dict) -> PreloadedBinary:
+  """This process's server of `module_name`, started on first use and
+  closed when the process exits."""
+  with _shared_lock:
+    if module_name not in _shared:
+      if not _shared:
+        atexit.register(_close_shared)
+      _shared[module_name] = PreloadedBinary(module_name, cwd, env)
+    return _shared[module_name]
+
+
+def _close_shared() -> None:
+  for binary in _shared.values():
+    binary.close()
 
 
 if __name__ == '__main__':

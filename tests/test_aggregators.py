@@ -18,8 +18,6 @@
 import csv
 import math
 import os
-import subprocess
-import sys
 
 import dp_accounting
 import numpy as np
@@ -40,7 +38,6 @@ import fault_testlib
 import fedres_testing
 import test_native_runtime
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 CLIENTS_PER_ROUND = 3
 # One round per run: the aggregators' equalities hold round by round (their
@@ -278,9 +275,7 @@ def test_compression_run_repeats_itself_and_resumes_bit_identically(
 
 
 def _train_cli(*args):
-  return subprocess.run(
-      [sys.executable, '-m', 'binaries.train', *args], cwd=REPO,
-      capture_output=True, text=True, timeout=600)
+  return fault_testlib.run_binary('binaries.train', *args)
 
 
 def test_dp_mixed_fl_on_celeba_logs_epsilon_every_round(tmp_path):

@@ -814,12 +814,9 @@ def run_case(case: Case, binary, runs, directory) -> Outcome:
 def run_cases(binary_name: str, cases: list[Case], runs,
               tmp_path_factory) -> dict[str, Outcome]:
   binary = lib.preloaded(binary_name)
-  try:
-    return {case.name: run_case(case, binary, runs,
-                                tmp_path_factory.mktemp(case.name))
-            for case in cases}
-  finally:
-    binary.close()
+  return {case.name: run_case(case, binary, runs,
+                              tmp_path_factory.mktemp(case.name))
+          for case in cases}
 
 
 @pytest.fixture(scope='module')

@@ -1,8 +1,6 @@
 """tasks.cifar on TFDS data prepared from tiny files in CIFAR's binary format."""
 
 import os
-import subprocess
-import sys
 from unittest import mock
 
 import numpy as np
@@ -16,8 +14,8 @@ from tasks import base
 from tasks import cifar
 from tasks import cifar_models
 from tasks import dirichlet
+import fault_testlib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TRAIN_PER_FILE = 12  # 5 files: 60 training images
 NUM_TEST = 10
@@ -202,13 +200,12 @@ def test_resnet8_shortcut_is_the_strided_1x1_conv():
 def test_narrow_resnet8_trains_without_crashing(tmp_path):
   """--model_width below 1 crashed the native runtime (segmentation fault
   or glibc abort in the shortcut's filter gradient)."""
-  done = subprocess.run(
-      [sys.executable, '-m', 'binaries.train', '--task=cifar10',
-       '--algorithm=fedavg', '--use_synthetic_data', '--runtime=native',
-       '--model=resnet8', '--model_width=0.5', '--num_clients=3',
-       '--client_steps=1', '--total_rounds=1', '--experiment_name=narrow',
-       f'--root_output_dir={tmp_path}'],
-      cwd=REPO, capture_output=True, text=True, timeout=600)
+  done = fault_testlib.run_binary(
+      'binaries.train', '--task=cifar10',
+      '--algorithm=fedavg', '--use_synthetic_data', '--runtime=native',
+      '--model=resnet8', '--model_width=0.5', '--num_clients=3',
+      '--client_steps=1', '--total_rounds=1', '--experiment_name=narrow',
+      f'--root_output_dir={tmp_path}')
   assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -344,14 +341,13 @@ def test_a_damaged_tfds_shard_is_one_error_line(data_dir, tmp_path, damage,
   shutil.copytree(data_dir, copy)
   (shard,) = copy.glob('cifar10/*/*train.tfrecord-00000-of-*')
   damage(shard)
-  done = subprocess.run(
-      [sys.executable, '-m', 'binaries.train', '--task=cifar10',
-       '--algorithm=fedavg', f'--data_dir={copy}',
-       f'--cache_dir={tmp_path / "cache"}', '--runtime=native',
-       '--model=resnet8', '--model_width=0.125', f'--num_clients={NUM_CLIENTS}',
-       '--client_steps=1', '--total_rounds=1', '--experiment_name=bad',
-       f'--root_output_dir={tmp_path / "runs"}'],
-      cwd=REPO, capture_output=True, text=True, timeout=600)
+  done = fault_testlib.run_binary(
+      'binaries.train', '--task=cifar10',
+      '--algorithm=fedavg', f'--data_dir={copy}',
+      f'--cache_dir={tmp_path / "cache"}', '--runtime=native',
+      '--model=resnet8', '--model_width=0.125', f'--num_clients={NUM_CLIENTS}',
+      '--client_steps=1', '--total_rounds=1', '--experiment_name=bad',
+      f'--root_output_dir={tmp_path / "runs"}')
   assert done.returncode == 2, done.stderr[-3000:]
   assert 'Traceback' not in done.stderr, done.stderr[-3000:]
   (line,) = done.stderr.strip().splitlines()

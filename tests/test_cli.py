@@ -24,9 +24,7 @@ TRAIN_FLAGS = ['--task=celeba_smile', '--celeba_mode=federated',
 
 
 def run_binary(module, *args, timeout=600):
-  return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout,
-                        stdin=subprocess.DEVNULL, check=False)
+  return fault_testlib.run_binary(module, *args, timeout=timeout)
 
 
 def _orphaned_worker_pids():

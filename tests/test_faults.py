@@ -39,9 +39,7 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def train_binary():
-  binary = lib.preloaded('train')
-  yield binary
-  binary.close()
+  return lib.preloaded('train')
 
 
 def train_base(binary, root):
@@ -410,13 +408,10 @@ def test_export_of_a_fedres_run_keeps_its_personal_models(fedres, tmp_path):
   trained = local_models(os.path.join(run, 'export'))
   assert trained
   export = lib.preloaded('export')
-  try:
-    outcomes = [(export_dir, export.run(
-        ['--experiment_name=fedres', f'--root_output_dir={tmp_path}',
-         *([f'--export_dir={export_dir}'] if export_dir else [])]))
-                for export_dir in (None, tmp_path / 'elsewhere')]
-  finally:
-    export.close()
+  outcomes = [(export_dir, export.run(
+      ['--experiment_name=fedres', f'--root_output_dir={tmp_path}',
+       *([f'--export_dir={export_dir}'] if export_dir else [])]))
+              for export_dir in (None, tmp_path / 'elsewhere')]
   for export_dir, exported in outcomes:
     assert exported.returncode == 0, exported.stderr[-3000:]
     target = str(export_dir or os.path.join(run, 'export'))
@@ -452,12 +447,8 @@ def test_evaluate_of_a_fedres_run_reports_its_personalized_metrics(
   run = lib.copy_run(fedres, tmp_path / 'fedres')
   with open(os.path.join(run, 'metrics.csv')) as f:
     logged = list(csv.DictReader(f))[-1]
-  evaluate = lib.preloaded('evaluate')
-  try:
-    evaluated = evaluate.run(['--experiment_name=fedres',
-                              f'--root_output_dir={tmp_path}'])
-  finally:
-    evaluate.close()
+  evaluated = lib.preloaded('evaluate').run(['--experiment_name=fedres',
+                                             f'--root_output_dir={tmp_path}'])
   assert evaluated.returncode == 0, evaluated.stderr[-3000:]
   report = json.loads(evaluated.stdout)
   assert report['checkpoint_round'] == int(logged['round_num']) == 2

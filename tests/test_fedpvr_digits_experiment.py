@@ -26,25 +26,22 @@ SCAFFOLD_OVER_PVR_BYTES = 1.8
 def test_fast_variant_holds_claims_one_and_three(tmp_path, capsys):
   argv = ['--fast', f'--root_output_dir={tmp_path}']
   binary = lib.preloaded('train')  # TF imported once for the three runs
-  try:
 
-    def train(train_argv):
-      result = binary.run(train_argv)
-      assert result.returncode == 0, result.stderr[-3000:]
+  def train(train_argv):
+    result = binary.run(train_argv)
+    assert result.returncode == 0, result.stderr[-3000:]
 
-    assert fedpvr_digits.main(argv, train) == 0
-    # Finished runs were skipped, so runs of other flags were reported under
-    # the new ones: every run goes to the binary, which checks its flags.
-    calls = []
-    fedpvr_digits.run_all(fedpvr_digits.parse_args(
-        [*argv, '--learning_rate=0.5']), calls.append)
-    assert len(calls) == 3
-    other = binary.run(calls[0])
-    assert other.returncode == 2, other.stderr[-3000:]
-    assert 'was trained with other values of flags that change results: ' \
-        '--client_learning_rate (run: 0.05, now: 0.5)' in other.stderr
-  finally:
-    binary.close()
+  assert fedpvr_digits.main(argv, train) == 0
+  # Finished runs were skipped, so runs of other flags were reported under
+  # the new ones: every run goes to the binary, which checks its flags.
+  calls = []
+  fedpvr_digits.run_all(fedpvr_digits.parse_args(
+      [*argv, '--learning_rate=0.5']), calls.append)
+  assert len(calls) == 3
+  other = binary.run(calls[0])
+  assert other.returncode == 2, other.stderr[-3000:]
+  assert 'was trained with other values of flags that change results: ' \
+      '--client_learning_rate (run: 0.05, now: 0.5)' in other.stderr
   out = capsys.readouterr().out
   assert 'claim 1: FedAvg drift diversity highest in the output layer' in out
   # No run reaches 90% in 6 rounds: they all tie at 7, which made "later

@@ -9,8 +9,6 @@ import dataclasses
 import os
 import shutil
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 
@@ -27,6 +25,7 @@ from tff_algos.algorithms import settings as settings_lib
 from tff_algos.algorithms.fedres import definition as fedres
 from tff_algos.algorithms.fedres import export as fedres_export
 from tff_algos.runtime import client_states
+import fault_testlib
 
 CLIENTS_PER_ROUND = 4
 SETTINGS = fedres.FedResAvgSettings(client_learning_rate=0.1,
@@ -417,12 +416,10 @@ def test_heterogeneity_out_of_range_is_a_usage_error():
 
 
 def test_train_binary_rejects_unknown_fedres_option(tmp_path):
-  completed = subprocess.run(
-      [sys.executable, '-m', 'binaries.train', '--task=fedres_toy',
-       '--algorithm=fedres_avg', '--experiment_name=x', '--fedres_option=3',
-       '--clients_per_round=2', f'--root_output_dir={tmp_path}'],
-      capture_output=True, text=True, timeout=300,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  completed = fault_testlib.run_binary(
+      'binaries.train', '--task=fedres_toy',
+      '--algorithm=fedres_avg', '--experiment_name=x', '--fedres_option=3',
+      '--clients_per_round=2', f'--root_output_dir={tmp_path}', timeout=300)
   assert completed.returncode == 2
   assert completed.stderr.strip().splitlines()[-1].startswith(
       'error: --fedres_option=3 is unknown; allowed: 1')

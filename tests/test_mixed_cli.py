@@ -2,8 +2,6 @@
 
 import csv
 import os
-import subprocess
-import sys
 
 import pytest
 from absl import flags
@@ -11,7 +9,6 @@ from absl import flags
 from binaries import flags_lib
 import fault_testlib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 
 
@@ -59,9 +56,8 @@ def test_unknown_task_has_no_defaults(parse_flags):
   assert flags_lib.apply_task_defaults('other') == {}
 
 
-def _run(*args):
-  return subprocess.run([sys.executable, '-m', *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=600)
+def _run(module, *args):
+  return fault_testlib.run_binary(module, *args)
 
 
 # binaries.train imported once for its usage errors (each run still a

@@ -6,8 +6,6 @@ import csv
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,8 +20,8 @@ from tasks import stackoverflow_char as so_char
 from tests import round_testing
 from tests import stackoverflow_fixture as fixture
 from tff_algos.algorithms import registry as algorithm_registry
+import fault_testlib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CENTRAL_STEPS = 2
 EVAL_SETS = ('eval', 'eval_stackoverflow', 'eval_wikipedia')
 
@@ -128,14 +126,13 @@ def test_paper_defaults_for_the_language_model():
 
 
 def test_cli_runs_two_way_gradient_transfer_on_synthetic_data(tmp_path):
-  result = subprocess.run(
-      [sys.executable, '-m', 'binaries.train', '--task=stackoverflow_char',
-       '--algorithm=mixed_2wgt', '--use_synthetic_data',
-       '--experiment_name=lm', f'--root_output_dir={tmp_path}',
-       '--total_rounds=1', '--char_embedding_dim=4', '--gru_units=4',
-       '--client_steps=2', '--client_batch_size=2', '--central_batch_size=4',
-       '--clients_per_round=2', '--max_eval_sequences=4'],
-      cwd=REPO, capture_output=True, text=True, timeout=600)
+  result = fault_testlib.run_binary(
+      'binaries.train', '--task=stackoverflow_char',
+      '--algorithm=mixed_2wgt', '--use_synthetic_data',
+      '--experiment_name=lm', f'--root_output_dir={tmp_path}',
+      '--total_rounds=1', '--char_embedding_dim=4', '--gru_units=4',
+      '--client_steps=2', '--client_batch_size=2', '--central_batch_size=4',
+      '--clients_per_round=2', '--max_eval_sequences=4')
   assert result.returncode == 0, result.stderr[-3000:]
   with open(tmp_path / 'lm' / 'hparams.json') as f:
     applied = json.load(f)['task_defaults_applied']

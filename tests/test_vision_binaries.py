@@ -8,19 +8,15 @@ slow one: a TFF process build, compilation and export per run.
 import csv
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+import fault_testlib
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_SECONDS = 900
 
 
 def _run(module, *args):
-  return subprocess.run(
-      [sys.executable, '-m', module, *args], cwd=REPO_ROOT, capture_output=True,
-      text=True, timeout=TIMEOUT_SECONDS, check=False)
+  return fault_testlib.run_binary(module, *args, timeout=TIMEOUT_SECONDS)
 
 
 def _metrics(run_dir):
