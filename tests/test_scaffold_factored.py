@@ -418,3 +418,24 @@ def test_two_factored_kernels_compute_the_dense_rounds(tmp_path, model):
   _assert_same_model_and_c(factors.result, dense.result)
   for k in range(len(CLIENT_SIZES)):
     _assert_close(_dense_cv(factors.client_cvs[k]), dense.client_cvs[k])
+
+
+@pytest.mark.parametrize('learning_rate', [1.0, 0.3, 1 / 3, 0.07])
+@pytest.mark.parametrize('steps', [1, 2, 5, 25])
+def test_a_client_of_k_steps_sends_the_common_scale_bit_for_bit(
+    learning_rate, steps):
+  # The runtime skips a client's share of the update (round.AffineUpdate)
+  # only when its weight x scale equals the common one exactly; a client
+  # of fewer steps, or of another weight, takes the general sum.
+  def weighted_scale(num_steps, weight=1.0):
+    update = factored.model_update(
+        tf.zeros([2, 3]), tf.constant(num_steps, tf.int64), learning_rate,
+        0, summed_as=('control_variate_delta', 0), common=(1.0, steps))
+    return (tf.constant(weight) * update.scale).numpy(), update.common_scale(
+        ).numpy()
+
+  client, common = weighted_scale(steps)
+  assert client == common
+  assert common == np.float32(-steps * np.float32(learning_rate))
+  assert weighted_scale(steps - 1)[0] != common
+  assert weighted_scale(steps, weight=0.0)[0] != common

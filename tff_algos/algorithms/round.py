@@ -60,10 +60,20 @@ class AffineUpdate:
   y - x = -K eta (c_i+ - c_i + c)). The sum rounds differently from that
   of the formed updates. `dense_update` forms it, where a client's own
   update is needed (per-client aggregators).
+
+  When the client's sums hold the same tensor (`summed_as`: (key, index) of
+  `ClientResult.sums[key][index]`) and most clients send the same w_i
+  scale_i (`common_scale()`, built with the same ops as theirs: equal bits),
+  the runtime writes sum_i w_i scale_i tensor_i as common * (the group's sum
+  of that entry) + sum_i (w_i scale_i - common) tensor_i, whose terms are 0
+  for those clients and skipped: one more pass over the tensor a client
+  fewer (SCAFFOLD's and FedResAvg's c_i+ - c_i, K_i = K).
   """
   tensor: tf.Tensor
   scale: tf.Tensor  # A float32 scalar.
   offset: Callable[[Any], tf.Tensor]
+  summed_as: Optional[tuple[str, int]] = None
+  common_scale: Optional[Callable[[], tf.Tensor]] = None
 
 
 def switch(index: tf.Tensor, branches):

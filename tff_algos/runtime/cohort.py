@@ -50,32 +50,74 @@ from tff_algos.runtime import client_states
 
 def _weighted(update, weight):
   """(w * u, with each `AffineUpdate` scale * (tensor + offset) as
-  (w * scale) * tensor; the w * scale; [(flat index, offset)] of those)."""
+  (w * scale) * tensor; the w * scale; [(flat index, AffineUpdate)] of
+  those; {flat index: (w * scale - common, tensor)} of those with a common
+  scale (`AffineUpdate.summed_as`), whose entries of w * u are their tensor
+  only for its shape: `_add_contribution` adds them)."""
   flat = tf.nest.flatten(update)
-  weighted, scales, offsets = [], [], []
+  weighted, scales, affine, residuals = [], [], [], {}
   for index, u in enumerate(flat):
     if isinstance(u, round_lib.AffineUpdate):
       scale = tf.cast(weight, u.scale.dtype) * u.scale
-      weighted.append(u.tensor * tf.cast(scale, u.tensor.dtype))
+      if u.summed_as is not None:
+        residuals[index] = (tf.cast(scale - u.common_scale(), u.tensor.dtype),
+                            u.tensor)
+        weighted.append(u.tensor)
+      else:
+        weighted.append(u.tensor * tf.cast(scale, u.tensor.dtype))
       scales.append(scale)
-      offsets.append((index, u.offset))
+      affine.append((index, u))
     else:
       weighted.append(u * tf.cast(weight, u.dtype))
-  return tf.nest.pack_sequence_as(update, weighted), scales, offsets
+  return (tf.nest.pack_sequence_as(update, weighted), scales, affine,
+          residuals)
 
 
-def _add_offsets(model_update, scales, offsets, message):
+def _add_contribution(total, part, residuals):
+  """total + part; an entry of `residuals` ({flat index of the model
+  update: (coefficient, tensor)}) adds coefficient * tensor, and nothing
+  (no pass over the tensor) when the coefficient is 0."""
+  if not residuals:
+    return _add(total, part)
+  summed = collections.OrderedDict(
+      (key, value if key == 'model_update' else _add(value, part[key]))
+      for key, value in total.items())
+  flat = tf.nest.flatten(total['model_update'])
+  for index, value in enumerate(tf.nest.flatten(part['model_update'])):
+    if index in residuals:
+      coefficient, tensor = residuals[index]
+      flat[index] = tf.cond(
+          tf.not_equal(coefficient, 0.0),
+          lambda t=flat[index], c=coefficient, x=tensor: t + c * x,
+          lambda t=flat[index]: t)
+    else:
+      flat[index] = flat[index] + value
+  summed['model_update'] = tf.nest.pack_sequence_as(total['model_update'],
+                                                    flat)
+  return summed
+
+
+def _add_affine_parts(total, affine, message):
   """The group's sum of w_i * u_i: each `AffineUpdate`'s part gets its
-  (sum_i w_i scale_i) offset."""
-  flat = tf.nest.flatten(model_update)
-  for scale, (index, offset) in zip(scales, offsets, strict=True):
-    value = offset(message)
+  (sum_i w_i scale_i) offset and, with a common scale, common * the group's
+  sum of its `summed_as` entry."""
+  total = collections.OrderedDict(total)
+  scales = total.pop(_UPDATE_SCALES)
+  flat = tf.nest.flatten(total['model_update'])
+  for scale, (index, u) in zip(scales, affine, strict=True):
+    value = u.offset(message)
     flat[index] = flat[index] + tf.cast(scale, value.dtype) * value
-  return tf.nest.pack_sequence_as(model_update, flat)
+    if u.summed_as is not None:
+      key, position = u.summed_as
+      flat[index] = flat[index] + tf.cast(
+          u.common_scale(), value.dtype) * total['sums'][key][position]
+  total['model_update'] = tf.nest.pack_sequence_as(total['model_update'],
+                                                   flat)
+  return total
 
 
 # The contribution's entry of its `AffineUpdate` scales, summed by the
-# group and spent at its end (`_add_offsets`).
+# group and spent at its end (`_add_affine_parts`).
 _UPDATE_SCALES = 'update_scales'
 
 
@@ -145,14 +187,16 @@ def build_group_update(definition: round_lib.RoundDefinition,
   last_pass = work.passes - 1
 
   def contribution(result: round_lib.ClientResult, message, costs):
-    """(The client's part of the group's result, the `AffineUpdate`
-    offsets the group adds at its end: [(flat index, offset)])."""
-    offsets = []
+    """(The client's part of the group's result, the `AffineUpdate`s whose
+    offsets the group adds at its end: [(flat index, AffineUpdate)], the
+    model-update entries `_add_contribution` adds: {flat index:
+    (coefficient, tensor)})."""
+    affine, residuals = [], {}
     if per_client:
       model_update = round_lib.dense_update(result.model_update, message)
     else:
-      model_update, scales, offsets = _weighted(result.model_update,
-                                                result.weight)
+      model_update, scales, affine, residuals = _weighted(
+          result.model_update, result.weight)
     out = collections.OrderedDict(
         model_update=model_update,
         weight=tf.cast(result.weight, tf.float32),
@@ -160,14 +204,14 @@ def build_group_update(definition: round_lib.RoundDefinition,
         sums=collections.OrderedDict(result.sums),
         measurements=collections.OrderedDict(result.measurements),
         metrics=result.metrics)
-    if offsets:
+    if affine:
       out[_UPDATE_SCALES] = scales
     if definition.sums_model_update:
       out['model_update_sum'] = round_lib.dense_update(result.model_update,
                                                        message)
     if costs is not None:
       out['client_costs'] = collections.OrderedDict(costs)
-    return out, offsets
+    return out, affine, residuals
 
   def bind(context):
 
@@ -194,7 +238,8 @@ def build_group_update(definition: round_lib.RoundDefinition,
         # Rebuilt from (id, seed): the batches the client trained on.
         costs = client_cost_fn(client_dataset_fn(group['ids'][index],
                                                  group['seeds'][index]))
-      return contribution(result, message, costs)[0]
+      part, _, residuals = contribution(result, message, costs)
+      return part, residuals
 
     def run(message, round_num, group):
       if per_client:
@@ -206,8 +251,8 @@ def build_group_update(definition: round_lib.RoundDefinition,
       # carry, and zeros shaped like a client's contribution.
       first_state = read_state(group, 0)
       first_carry = start(message, first_state)
-      specs, offsets = finish_shapes(message, round_num, group, first_state,
-                                     first_carry)
+      specs, affine = finish_shapes(message, round_num, group, first_state,
+                                    first_carry)
       zero_total = tf.nest.map_structure(
           lambda t: tf.zeros(t.shape, t.dtype), specs)
       # A while loop over an iterator; a loop over the dataset itself would
@@ -236,8 +281,9 @@ def build_group_update(definition: round_lib.RoundDefinition,
                 for f in work.end_pass])
           summed = tf.cond(
               tf.equal(pass_index, last_pass),
-              lambda: _add(total, finish(message, round_num, group, index,
-                                         client_state, ended)),
+              lambda: _add_contribution(
+                  total, *finish(message, round_num, group, index,
+                                 client_state, ended)),
               lambda: total)
           return ended, summed
 
@@ -263,31 +309,29 @@ def build_group_update(definition: round_lib.RoundDefinition,
           lambda has_element, *_: has_element, body,
           (tf.constant(True), tf.constant(0, tf.int32), first_state,
            first_carry, zero_total))
-      if offsets:
-        total = collections.OrderedDict(total)
-        total['model_update'] = _add_offsets(
-            total['model_update'], total.pop(_UPDATE_SCALES), offsets,
-            message)
+      if affine:
+        total = _add_affine_parts(total, affine, message)
       return total
 
     def finish_shapes(message, round_num, group, client_state, carry):
       # The structure and shapes of a contribution, traced but not run,
-      # and its offsets (which depend on the message only).
+      # and its `AffineUpdate`s (whose offsets and common scales depend on
+      # the message only).
       del round_num
-      offsets = []
+      affine = []
 
       def traced():
-        out, found = contribution(
+        out, found, _ = contribution(
             work.finish(context, message, visible(client_state), carry),
             message, None if client_cost_fn is None else client_cost_fn(
                 client_dataset_fn(group['ids'][0], group['seeds'][0])))
-        offsets.extend(found)
+        affine.extend(found)
         return out
 
       specs = tf.function(traced, autograph=False
                           ).get_concrete_function().structured_outputs
       return tf.nest.map_structure(
-          lambda t: tf.TensorSpec(t.shape, t.dtype), specs), offsets
+          lambda t: tf.TensorSpec(t.shape, t.dtype), specs), affine
 
     # Without AutoGraph: it would convert every function the loop calls (the
     # algorithm's, the model's, its metrics', the optimizer's), about 2 s

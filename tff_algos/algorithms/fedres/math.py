@@ -448,9 +448,11 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
               differences[factored_at[p]] if p in factored_at else None)
           for p, (n, c) in enumerate(zip(new_state['control'],
                                          client_state['control']))]
-      factored.set_model_updates(delta, kernels, kernel_positions, dropped,
-                                 carry['gradient_steps'], eta,
-                                 message_key='control')
+      # FedRes weighs every client 1.
+      factored.set_model_updates(
+          delta, kernels, kernel_positions, dropped, carry['gradient_steps'],
+          eta, message_key='control', sums_key='control_delta',
+          common_weight=1.0)
     loss_sum, num_examples, _ = carry['stats']
     loss_sum = tf.where(kept, loss_sum, 0.0)
     num_examples = tf.where(kept, num_examples, tf.zeros_like(num_examples))

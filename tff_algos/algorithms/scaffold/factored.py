@@ -447,34 +447,58 @@ def difference(capture: _Capture, new, old) -> tf.Tensor:
   return tf.matmul(inputs, tf.concat([-old[1], new[1]], 0), transpose_a=True)
 
 
+def _update_scale(num_steps: tf.Tensor, learning_rate: float) -> tf.Tensor:
+  return -tf.cast(num_steps, tf.float32) * learning_rate
+
+
 def model_update(difference_: tf.Tensor, num_steps: tf.Tensor,
                  learning_rate: float, position: int,
-                 message_key: str = 'control_variate'
+                 message_key: str = 'control_variate',
+                 summed_as: Optional[tuple[str, int]] = None,
+                 common: Optional[tuple[float, int]] = None
                  ) -> round_lib.AffineUpdate:
   """The kernel's y - x = -K_i eta (c_i+ - c_i + c) ([SCAFFOLD] Alg. 1
   line 12 solved for y; the steps never formed y), c being the message's
   control variate at `position` of `message_key`: the runtime sums the
-  K_i eta (c_i+ - c_i) and adds the c part once per group."""
+  K_i eta (c_i+ - c_i) and adds the c part once per group. With
+  `summed_as`, the client's sums entry that holds the same c_i+ - c_i, and
+  `common` = (weight, K) of most clients, the runtime sums that entry once
+  for both (`round_lib.AffineUpdate`)."""
+  common_scale = None
+  if summed_as is not None:
+    weight, steps = common
+    common_scale = lambda: (tf.constant(weight, tf.float32) *
+                            _update_scale(tf.constant(steps), learning_rate))
   return round_lib.AffineUpdate(
       tensor=difference_,
-      scale=-tf.cast(num_steps, tf.float32) * learning_rate,
-      offset=lambda message: message[message_key][position])
+      scale=_update_scale(num_steps, learning_rate),
+      offset=lambda message: message[message_key][position],
+      summed_as=summed_as, common_scale=common_scale)
 
 
 def set_model_updates(model_delta: list, kernels: Sequence[FactoredKernel],
                       kernel_positions: Sequence[int], dropped: tf.Tensor,
                       num_steps: tf.Tensor, learning_rate: float,
-                      message_key: str = 'control_variate') -> None:
+                      message_key: str = 'control_variate',
+                      sums_key: Optional[str] = None,
+                      common_weight: Optional[float] = None) -> None:
   """Replaces each kernel's entry of `model_delta` (its c_i+ - c_i, zeroed
-  for a dropped client) by its `model_update`."""
+  for a dropped client) by its `model_update`. `sums_key`: the client's
+  sums entry holding every position's c_i+ - c_i as the kernels' entries
+  (zero for a client that keeps c_i, as is its update); `common_weight`:
+  the client weight when it is the same for every client that takes all
+  K steps (None when it varies)."""
   # A dropped client's update is zero: so is its scale (its c_i+ - c_i
   # was zeroed; c would remain).
   update_steps = tf.where(tf.equal(dropped, 0), num_steps,
                           tf.zeros_like(num_steps))
   for kernel, position in zip(kernels, kernel_positions):
+    shared = sums_key is not None and common_weight is not None
     model_delta[kernel.variable_index] = model_update(
         model_delta[kernel.variable_index], update_steps, learning_rate,
-        position, message_key)
+        position, message_key,
+        summed_as=(sums_key, position) if shared else None,
+        common=(common_weight, kernel.steps) if shared else None)
 
 
 def new_control_variates(model, kernels: Sequence[FactoredKernel],

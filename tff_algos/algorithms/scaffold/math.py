@@ -302,8 +302,10 @@ def build_client_work(client_optimizer: tff.learning.optimizers.Optimizer,
         lambda: (tf.constant(1.0) if uniform_weighting else
                  tf.cast(carry['num_examples'], tf.float32)))
     non_finite.reset_metrics_if(dropped, model)
-    factored.set_model_updates(model_delta, kernels, kernel_positions,
-                               dropped, num_steps, learning_rate)
+    factored.set_model_updates(
+        model_delta, kernels, kernel_positions, dropped, num_steps,
+        learning_rate, sums_key='control_variate_delta',
+        common_weight=1.0 if uniform_weighting else None)
     measurements = collections.OrderedDict()
     if layer_of_variable is not None:
       model_delta = round_lib.dense_update(model_delta, message)
