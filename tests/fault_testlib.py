@@ -29,16 +29,22 @@ def binary_command(module, *args):
 
 
 def run_binary(module, *args, timeout=600, env=None):
-  """`python -m <module> *args`, forked from this test process's server of
-  `module` (`shared_binary`) unless `env` differs from the server's."""
-  env = env or environment()
-  if module in SHARED_MODULES:
+  """`python -m <module> *args`: forked from this test process's server of
+  `module` (`shared_binary`), or, with `env` or an environment other than
+  the server's, a process of its own."""
+  if env is None and module in SHARED_MODULES:
     binary = shared_binary(module)
-    if binary.env == env:
+    if _comparable(binary.env) == _comparable(environment()):
       return binary.run(list(args), timeout=timeout)
   return subprocess.run(binary_command(module, *args), cwd=REPO,
                         capture_output=True, text=True, timeout=timeout,
-                        stdin=subprocess.DEVNULL, check=False, env=env)
+                        stdin=subprocess.DEVNULL, check=False,
+                        env=env or environment())
+
+
+def _comparable(env: dict) -> dict:
+  # pytest names the current test and phase in the environment.
+  return {k: v for k, v in env.items() if k != 'PYTEST_CURRENT_TEST'}
 
 
 def environment(**extra):

@@ -11,16 +11,16 @@ server itself never runs TensorFlow, so the fork copies no running threads.
   python tests/preloaded_binary.py binaries.train
 
 Requests are JSON lines on stdin: {"argv": [...], "stdout": path,
-"stderr": path}; each answer is two JSON lines, {"pid": the child's pid}
-and, once it ended, {"status": exit status, or -signal}. `PreloadedBinary`
-is the client.
+"stderr": path, "timeout": seconds or null}; each answer is two JSON lines,
+{"pid": the child's pid} and, once it ended, {"status": exit status, or
+-signal, "timed_out": whether the server killed it at the timeout}.
+`PreloadedBinary` is the client.
 """
 
 import atexit
 import importlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -64,9 +64,27 @@ def serve(module_name: str) -> None:
     if pid == 0:
       _child(module, request['argv'], request['stdout'], request['stderr'])
     print(json.dumps({'pid': pid}), flush=True)
+    ended = threading.Event()
+    timed_out = []
+
+    def kill_at_timeout(pid=pid, ended=ended, timed_out=timed_out):
+      if not ended.is_set():
+        timed_out.append(True)
+        os.kill(pid, signal.SIGKILL)
+
+    timer = None
+    if request.get('timeout') is not None:
+      timer = threading.Timer(request['timeout'], kill_at_timeout)
+      timer.start()
+    # Not reaped before `ended` is set: the timer cannot kill another pid.
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    ended.set()
+    if timer is not None:
+      timer.cancel()
+      timer.join()
     _, wait_status = os.waitpid(pid, 0)
-    print(json.dumps({'status': os.waitstatus_to_exitcode(wait_status)}),
-          flush=True)
+    print(json.dumps({'status': os.waitstatus_to_exitcode(wait_status),
+                      'timed_out': bool(timed_out)}), flush=True)
   # The execution context TFF made at import goes quietly, not in a
   # destructor at interpreter exit.
   from pipeline import tff_runtime  # pylint: disable=g-import-not-at-top
@@ -78,6 +96,7 @@ class PreloadedBinary:
 
   def __init__(self, module_name: str, cwd: str, env: dict):
     self.env = dict(env)
+    self.broken = False
     self._lock = threading.Lock()
     self._server = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), module_name], cwd=cwd,
@@ -93,25 +112,35 @@ class PreloadedBinary:
     `timeout` seconds it is killed and `subprocess.TimeoutExpired` raised,
     as `subprocess.run` does."""
     with self._lock, tempfile.TemporaryDirectory() as directory:
+      if self.broken:
+        raise RuntimeError('this binary server stopped after an error')
       stdout = os.path.join(directory, 'stdout')
       stderr = os.path.join(directory, 'stderr')
-      self._server.stdin.write(json.dumps(
-          {'argv': [str(a) for a in argv], 'stdout': stdout,
-           'stderr': stderr}) + '\n')
-      self._server.stdin.flush()
-      pid = json.loads(self._answer())['pid']
-      # The status line is written at once: no read below blocks on half.
-      ready, _, _ = select.select([self._server.stdout], [], [], timeout)
-      timed_out = not ready
-      if timed_out:
-        os.kill(pid, signal.SIGKILL)
-      status = json.loads(self._answer())['status']
+      pid = None
+      try:
+        self._server.stdin.write(json.dumps(
+            {'argv': [str(a) for a in argv], 'stdout': stdout,
+             'stderr': stderr, 'timeout': timeout}) + '\n')
+        self._server.stdin.flush()
+        pid = json.loads(self._answer())['pid']
+        answer = json.loads(self._answer())
+      except BaseException:
+        # E.g. the test's time limit, mid-run: the run's answer would be
+        # read as the next one's. The run and the server go.
+        self.broken = True
+        if pid is not None:
+          try:
+            os.kill(pid, signal.SIGKILL)
+          except ProcessLookupError:
+            pass
+        self._server.kill()
+        raise
       with open(stdout) as out, open(stderr) as err:
-        if timed_out:
+        if answer['timed_out']:
           raise subprocess.TimeoutExpired(argv, timeout, out.read(),
                                           err.read())
-        return subprocess.CompletedProcess(argv, status, out.read(),
-                                           err.read())
+        return subprocess.CompletedProcess(argv, answer['status'],
+                                           out.read(), err.read())
 
   def _answer(self) -> str:
     answer = self._server.stdout.readline()
@@ -120,7 +149,8 @@ class PreloadedBinary:
     return answer
 
   def close(self) -> None:
-    self._server.stdin.close()
+    if not self.broken:
+      self._server.stdin.close()
     self._server.wait(timeout=60)
     self._server.stdout.close()
 
@@ -130,10 +160,10 @@ _shared_lock = threading.Lock()
 
 
 def shared(module_name: str, cwd: str, env: dict) -> PreloadedBinary:
-  """This process's server of `module_name`, started on first use and
-  closed when the process exits."""
+  """This process's server of `module_name`, started on first use (and
+  again after an error stopped it) and closed when the process exits."""
   with _shared_lock:
-    if module_name not in _shared:
+    if module_name not in _shared or _shared[module_name].broken:
       if not _shared:
         atexit.register(_close_shared)
       _shared[module_name] = PreloadedBinary(module_name, cwd, env)

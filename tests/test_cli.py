@@ -64,9 +64,9 @@ def assert_one_error_line(result, *fragments):
   assert not orphan_workers()
 
 
-# binaries.train imported once, for the runs that stop at a usage error
-# (each still a process of its own: exit status, stderr, TFF workers). The
-# runs that train start `python -m binaries.train` as a user does.
+# binaries.train imported once (each run still a process of its own: exit
+# status, stderr, TFF workers; see fault_testlib.SHARED_MODULES). A user's
+# cold `python -m binaries.train` is test_first_run's.
 train_with_an_error = fault_testlib.preloaded_runs('binaries.train')
 
 

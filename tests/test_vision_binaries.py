@@ -1,8 +1,9 @@
 """End to end through the binaries: emnist and cifar10 with fedavg, then
 `binaries.evaluate --conformal` (tiny synthetic data and models).
 
-Each binary is its own process (as a user runs it), so this module is the
-slow one: a TFF process build, compilation and export per run.
+Each run is a process of its own, forked from one that imported the binary
+(fault_testlib.SHARED_MODULES): a TFF process build, compilation and export
+per run.
 """
 
 import csv
