@@ -1,7 +1,7 @@
 """FedAvg/FedSGD's non-finite check: every value zeroed if any is not finite.
 
-The check sums each tensor first and tests values one by one only when a sum
-is not finite; these cases pin that it decides exactly as the elementwise
+The check sums the tensors first and tests values one by one only when the
+total is not finite; these cases pin that it decides exactly as the elementwise
 test (tff.learning's), including finite values whose sum overflows.
 """
 
@@ -24,6 +24,13 @@ BIG = np.float32(3e38)
     # Finite values whose float32 sum overflows to inf: kept.
     ([np.array([BIG, BIG, BIG], np.float32), np.ones([2], np.float32)], False),
     ([np.array([-1e308, -1e308], np.float64)], False),
+    # Each tensor's sum finite, their total not: kept.
+    ([np.array([BIG], np.float32), np.array([BIG, 1], np.float32)], False),
+    # Tensors of two dtypes, the non-finite value in either.
+    ([np.ones([2], np.float64), np.array([np.nan], np.float32)], True),
+    ([np.array([-np.inf], np.float64), np.ones([2], np.float32)], True),
+    ([np.array([BIG], np.float32), np.array([1e308], np.float64),
+      np.array([BIG], np.float32)], False),
 ])
 def test_zeroes_exactly_when_a_value_is_not_finite(values, expect_zeroed):
   assert expect_zeroed == (not all(np.all(np.isfinite(v)) for v in values))

@@ -369,9 +369,9 @@ def _checksum(leaves: Sequence[tf.Tensor], key: tf.Tensor) -> tf.Tensor:
   defence against deliberate edits.
   """
   unsigned = _CHECKSUM_DTYPES[leaves[0].dtype.size]
-  return tf.reduce_sum(tf.stack(
+  return tf.add_n(
       [tf.reduce_sum(tf.bitcast(leaf, unsigned)) for leaf in leaves] +
-      [tf.cast(_fingerprints(key), unsigned)]))
+      [tf.cast(_fingerprints(key), unsigned)])
 
 
 def _verified(leaves: list[tf.Tensor], matches: tf.Tensor,
@@ -436,7 +436,9 @@ def decode(blob: tf.Tensor, specs, path, key):
     leaves = [tf.reshape(piece, spec.shape)
               for piece, spec in zip(pieces, flat_specs)]
     unsigned = _CHECKSUM_DTYPES[stored.dtype.size]
-    matches = tf.equal(_checksum(leaves, key),
+    # The leaves' values are flat[:-1]: one sum, not one a leaf (each op
+    # costs the executor about 9 us; modulo 2^width the totals are equal).
+    matches = tf.equal(_checksum([flat[:-1]], key),
                        tf.bitcast(stored[0], unsigned))
     return tf.nest.pack_sequence_as(specs, _verified(leaves, matches, path))
   parts = tf.io.parse_tensor(blob, tf.string)
