@@ -99,7 +99,7 @@ def _step(fn):
 @_step
 def _local_step(model: ResidualModel, batch, local_learning_rate: float):
   """theta <- theta - lambda grad_theta l(w, theta), w fixed. -> (loss, n)."""
-  with tf.GradientTape() as tape:
+  with tf.GradientTape() as tape, factored.at_x(model):
     loss = model.batch_loss(batch)
   gradients = _dense_gradients(tape, loss, model.local_weights)
   sgd_step.sgd_step(model.local_weights, gradients, local_learning_rate)
@@ -350,7 +350,6 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
     if kernels:
       factored.start_client(model, [client_state['control'][p]
                                     for p in kernel_positions])
-      factored.start_steps_at_x(model)
     return carry
 
   def with_stats(carry, loss, n):
