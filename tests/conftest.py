@@ -24,7 +24,7 @@ class TestTimeLimitExceeded(Exception):
 
 
 def pytest_configure(config):
-  # The suite runs two test processes on the cores (scripts/test.sh): a
+  # The suite runs three test processes on the cores (scripts/test.sh): a
   # native run's lanes, each tracing its own group computation, would only
   # compete with the other process. Results do not depend on it
   # (test_native_runtime checks); the binaries the tests start inherit it.
