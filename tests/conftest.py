@@ -26,7 +26,7 @@ class TestTimeLimitExceeded(Exception):
 def pytest_configure(config):
   # The suite runs three test processes on the cores (scripts/test.sh): a
   # native run's lanes, each tracing its own group computation, would only
-  # compete with the other process. Results do not depend on it
+  # compete with the other processes. Results do not depend on it
   # (test_native_runtime checks); the binaries the tests start inherit it.
   from tff_algos.runtime import cohort  # pylint: disable=g-import-not-at-top
   os.environ.setdefault(cohort.CONCURRENT_LANES_ENV, '1')

@@ -26,9 +26,8 @@ def zero_all_if_any_non_finite(structure):
   value, or finite values whose sum overflows) takes tff.learning's
   elementwise test, which writes a mask as large as the update. One total,
   not a test per tensor: a client's state and update are a dozen tensors,
-  and each op costs a TF executor about 9 us besides its work (a TF
-  profile of the benchmark's FedResAvg round), more than these small ones
-  take.
+  and each op costs a TF executor 7-9 us besides its work (a TF profile of
+  the benchmark's rounds), more than these small ones take.
   """
   flat = tf.nest.flatten(structure)
   if not flat:
@@ -38,7 +37,7 @@ def zero_all_if_any_non_finite(structure):
     return functools.reduce(tf.logical_and, flags)
 
   sums = collections.defaultdict(list)  # add_n takes one dtype.
-  for t in flat:
+  for t in map(tf.convert_to_tensor, flat):
     sums[t.dtype].append(tf.reduce_sum(t))
   all_finite = tf.cond(
       all_true([tf.math.is_finite(tf.add_n(s)) for s in sums.values()]),

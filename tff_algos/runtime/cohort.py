@@ -376,7 +376,7 @@ def native_lanes() -> int:
 
 # Caps how many of the native runtime's lanes run at once (the groups stay
 # one per lane, so the results do not change). The test script sets it to 1:
-# its two test processes already share the cores, and each extra lane traces
+# its three test processes already share the cores, and each extra lane traces
 # its own copy of the group computation.
 CONCURRENT_LANES_ENV = 'FL_NATIVE_CONCURRENT_LANES'
 
