@@ -516,8 +516,8 @@ def set_model_updates(model_delta: list, kernels: Sequence[FactoredKernel],
   # was zeroed; c would remain).
   update_steps = tf.where(tf.equal(dropped, 0), num_steps,
                           tf.zeros_like(num_steps))
+  shared = sums_key is not None and common_weight is not None
   for kernel, position in zip(kernels, kernel_positions):
-    shared = sums_key is not None and common_weight is not None
     model_delta[kernel.variable_index] = model_update(
         model_delta[kernel.variable_index], update_steps, learning_rate,
         position, message_key,
