@@ -4,11 +4,19 @@ Under TFF, a TFF client stands for a group of the round's clients; the
 native runtime runs the cohort as groups too. A group's computation streams
 the batches of all its clients through ONE tf.data pipeline (each client's
 dataset built from its (id, seed), in order, each pass of a client followed
-by an end-of-pass marker) and loops over that stream inside the graph: at a
-client's first element it reads the client's state and starts its work
-(`ClientWork.start`), every batch is a step, and at the client's last marker
-it finishes, writes the client's new state and adds its results into the
-group's sums.
+by an end-of-pass marker) and loops over that stream inside the graph: a
+loop over the group's clients reads a client's state and starts its work
+(`ClientWork.start`), runs one inner loop per pass that takes a step per
+batch up to the pass's marker, then finishes, writes the client's new state
+and adds its results into the group's sums.
+
+Why nested loops, not one loop over the stream that branches on what an
+element is: TF lowers a `tf.cond` in a loop to switches, and its executor
+visits every op of a branch not taken, as dead, at every iteration. With
+one loop, each batch's step visited the ops of every other pass's step and
+of the client's finish; a FedResAvg client's 6 loop iterations spent about
+1.3 ms on that, 7% of its work (TF profile of the benchmark's rounds).
+Each inner loop holds one pass's step, and the finish runs once a client.
 
 Why one stream: making a tf.data iterator instantiates the pipeline's
 functions (each `map`), and TF optimizes every instantiated function with
@@ -184,7 +192,6 @@ def build_group_update(definition: round_lib.RoundDefinition,
     raise ValueError(f'{definition.name} keeps client state: pass a store')
   work = definition.client_work
   stateful = definition.has_client_state
-  last_pass = work.passes - 1
 
   def contribution(result: round_lib.ClientResult, message, costs):
     """(The client's part of the group's result, the `AffineUpdate`s whose
@@ -247,73 +254,50 @@ def build_group_update(definition: round_lib.RoundDefinition,
                                   'a per-client group holds one client')
       if work.prepare is not None:
         work.prepare(context, message)
-      # Values of the loop's structure: the first client's initial state and
-      # carry, and zeros shaped like a client's contribution.
-      first_state = read_state(group, 0)
-      first_carry = start(message, first_state)
-      specs, affine = finish_shapes(message, round_num, group, first_state,
-                                    first_carry)
+      specs, affine = finish_shapes(message, round_num, group)
       zero_total = tf.nest.map_structure(
           lambda t: tf.zeros(t.shape, t.dtype), specs)
-      # A while loop over an iterator; a loop over the dataset itself would
+      # While loops over an iterator; a loop over the dataset itself would
       # run every step inside tf.data's reduce, several times slower.
       elements = iter(group_stream(client_dataset_fn, group['ids'],
                                    group['seeds'], work.passes))
 
-      def on_element(element, current, previous_state, previous_carry, total):
-        (index, pass_index, is_marker), batch = element
+      def client_pass(step_fn, client_state, carry):
+        """carry after the pass's steps: the stream's elements up to and
+        including the pass's end-of-pass marker."""
 
-        def next_client():
-          state = read_state(group, index)
-          return state, start(message, state)
+        def body(ended, carry):
+          del ended
+          (_, _, is_marker), batch = elements.get_next()
+          return is_marker, tf.cond(
+              is_marker, lambda: carry,
+              lambda: step_fn(context, message, visible(client_state),
+                              carry, batch))
 
-        # tf.not_equal, not !=: TFF traces its computations in a TF1 graph,
-        # where a tensor's == and != compare identities, in Python.
-        client_state, carry = tf.cond(
-            tf.not_equal(index, current), next_client,
-            lambda: (previous_state, previous_carry))
+        _, carry = tf.while_loop(lambda ended, _: tf.logical_not(ended),
+                                 body, (tf.constant(False), carry))
+        return carry
 
-        def end_of_pass():
-          ended = carry
+      def client(index, total):
+        client_state = read_state(group, index)
+        carry = start(message, client_state)
+        for pass_index, step_fn in enumerate(work.steps):
+          carry = client_pass(step_fn, client_state, carry)
           if work.end_pass is not None:
-            ended = round_lib.switch(pass_index, [
-                lambda f=f: f(context, message, visible(client_state), carry)
-                for f in work.end_pass])
-          summed = tf.cond(
-              tf.equal(pass_index, last_pass),
-              lambda: _add_contribution(
-                  total, *finish(message, round_num, group, index,
-                                 client_state, ended)),
-              lambda: total)
-          return ended, summed
+            carry = work.end_pass[pass_index](context, message,
+                                              visible(client_state), carry)
+        return index + 1, _add_contribution(
+            total, *finish(message, round_num, group, index, client_state,
+                           carry))
 
-        def step():
-          return round_lib.switch(pass_index, [
-              lambda f=f: f(context, message, visible(client_state), carry,
-                            batch)
-              for f in work.steps]), total
-
-        carry, total = tf.cond(is_marker, end_of_pass, step)
-        return index, client_state, carry, total
-
-      def body(has_element, current, client_state, carry, total):
-        del has_element
-        element = elements.get_next_as_optional()
-        values = (current, client_state, carry, total)
-        return (element.has_value(), *tf.cond(
-            element.has_value(),
-            lambda: on_element(element.get_value(), *values),
-            lambda: values))
-
-      *_, total = tf.while_loop(
-          lambda has_element, *_: has_element, body,
-          (tf.constant(True), tf.constant(0, tf.int32), first_state,
-           first_carry, zero_total))
+      num_clients = tf.shape(group['ids'], out_type=tf.int32)[0]
+      _, total = tf.while_loop(lambda index, _: tf.less(index, num_clients),
+                               client, (tf.constant(0, tf.int32), zero_total))
       if affine:
         total = _add_affine_parts(total, affine, message)
       return total
 
-    def finish_shapes(message, round_num, group, client_state, carry):
+    def finish_shapes(message, round_num, group):
       # The structure and shapes of a contribution, traced but not run,
       # and its `AffineUpdate`s (whose offsets and common scales depend on
       # the message only).
@@ -321,6 +305,8 @@ def build_group_update(definition: round_lib.RoundDefinition,
       affine = []
 
       def traced():
+        client_state = read_state(group, 0)
+        carry = start(message, client_state)
         out, found, _ = contribution(
             work.finish(context, message, visible(client_state), carry),
             message, None if client_cost_fn is None else client_cost_fn(
