@@ -130,8 +130,11 @@ class ClientWork:
     result = finish(context, message, client_state, carry)
 
   `carry` is a structure of tensors of fixed shapes (counts, sums, optimizer
-  states); the client's model lives in the context's variables, which
-  `start` sets. `client_state` is None when the algorithm keeps none.
+  states), the same structure and shapes from `start` to `finish`: every
+  step and `end_pass` returns it as it got it (the runtime's loops carry it,
+  and it finds the shapes of a client's result by tracing `finish` on
+  `start`'s carry); the client's model lives in the context's variables,
+  which `start` sets. `client_state` is None when the algorithm keeps none.
   """
   start: Callable[[Any, Any, Any], Any]
   steps: tuple[Callable[[Any, Any, Any, Any, Any], Any], ...]

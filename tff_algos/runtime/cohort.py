@@ -228,8 +228,8 @@ def build_group_update(definition: round_lib.RoundDefinition,
       return state_format.read(group['ids'][index], group['versions'][index])
 
     def visible(client_state):
-      # What the algorithm sees: None when it keeps no state (the loop
-      # carries an empty structure instead).
+      # What the algorithm sees: None when it keeps no state (`read_state`
+      # gives an empty structure instead).
       return client_state if stateful else None
 
     def start(message, client_state):
