@@ -23,7 +23,8 @@ sources). What is used, and for what:
   contexts' base class, for contexts that run a sub-round in a thread of
   their own (`threaded_async_context`);
 - the Keras model and losses inside a `tff.learning` model made by
-  `tff.learning.models.from_keras_model`;
+  `tff.learning.models.from_keras_model`, and the Keras metric inside each of
+  its metric finalizers;
 - parts of TFF's simulation baselines the Stack Overflow tasks reuse (its
   masked accuracy; the word prediction task's preprocessing and model,
   whose public builder loads the vocabulary without a cache directory).
@@ -70,6 +71,7 @@ from tensorflow_federated.python.core.impl.executor_stacks import executor_facto
 from tensorflow_federated.python.core.impl.types import computation_types
 from tensorflow_federated.python.core.impl.types import type_conversions
 from tensorflow_federated.python.core.impl.utils import tensorflow_utils
+from tensorflow_federated.python.learning.metrics import keras_finalizer
 from tensorflow_federated.python.learning.templates import apply_optimizer_finalizer
 from tensorflow_federated.python.simulation.baselines import keras_metrics
 from tensorflow_federated.python.simulation.baselines.stackoverflow import word_prediction_models
@@ -119,6 +121,20 @@ def without_autograph(model):
 def keras_losses_of(model) -> list:
   """The Keras loss functions of a `from_keras_model` model."""
   return list(model._loss_fns)
+
+
+def keras_metric_of_finalizer(finalizer):
+  """A new Keras metric like the one a `tff.learning` Keras metric
+  finalizer (`keras_finalizer.create_keras_metric_finalizer`) builds at each
+  call, or None for any other finalizer. The metric (or its constructor)
+  is the finalizer's only closure variable, `metric`."""
+  python_function = getattr(finalizer, 'python_function', None)
+  code = getattr(python_function, '__code__', None)
+  if (code is None or python_function.__module__ != keras_finalizer.__name__
+      or code.co_freevars != ('metric',)):
+    return None
+  return keras_finalizer.create_keras_metric(
+      python_function.__closure__[0].cell_contents)
 
 
 # --- Simulation baselines ----------------------------------------------------
