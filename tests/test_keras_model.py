@@ -10,6 +10,7 @@ tff.learning calls it, in a graph.
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tasks import base
@@ -65,10 +66,7 @@ def test_eager_finalization_equals_tff_learnings_round_after_round():
 def test_a_finalizer_given_the_wrong_number_of_values_is_refused():
   info = keras_model.model_info(_task().model_fn)
   name = sorted(info.metric_finalizers)[0]
-  try:
+  with pytest.raises(ValueError) as error:
     keras_model.finalize_metrics({name: info.metric_finalizers[name]},
                                  {name: []})
-  except ValueError as e:
-    assert 'takes' in str(e) and 'got 0' in str(e), e
-  else:
-    raise AssertionError('no error for a finalizer given no values')
+  assert 'takes' in str(error.value) and 'got 0' in str(error.value)

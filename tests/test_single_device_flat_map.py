@@ -38,9 +38,10 @@ def test_elements_equal_tf_flat_map():
           [t.numpy().tolist() for t in expected])
 
 
-def test_the_function_is_marked_to_be_instantiated_as_written():
+def _flat_map_function_attributes(make_flat_map):
+  """The attributes of the function of the one FlatMapDataset op."""
   graph = tf.function(lambda: tf.data.experimental.to_variant(
-      single_device_flat_map.flat_map(tf.data.Dataset.range(4), _clients))
+      make_flat_map(tf.data.Dataset.range(4), _clients))
                       ).get_concrete_function().graph
   flat_maps = [op for op in graph.get_operations()
                if op.type == 'FlatMapDataset']
@@ -48,14 +49,12 @@ def test_the_function_is_marked_to_be_instantiated_as_written():
   name = flat_maps[0].get_attr('f').name
   library = {f.signature.name: f for f in
              graph.as_graph_def().library.function}
-  attributes = library[name].attr
+  return library[name].attr
+
+
+def test_the_function_is_marked_to_be_instantiated_as_written():
+  attributes = _flat_map_function_attributes(single_device_flat_map.flat_map)
   assert attributes['experimental_ints_on_device'].b
   # TF's own flat_map is not (the mark is what differs).
-  graph = tf.function(lambda: tf.data.experimental.to_variant(
-      tf.data.Dataset.range(4).flat_map(_clients))
-                      ).get_concrete_function().graph
-  name = [op for op in graph.get_operations()
-          if op.type == 'FlatMapDataset'][0].get_attr('f').name
-  library = {f.signature.name: f for f in
-             graph.as_graph_def().library.function}
-  assert 'experimental_ints_on_device' not in library[name].attr
+  assert 'experimental_ints_on_device' not in _flat_map_function_attributes(
+      lambda d, f: d.flat_map(f))

@@ -97,17 +97,15 @@ def _in_context(finalizer):
     return finalizer
   if tf.executing_eagerly():
     with _EAGER_FINALIZERS_LOCK:
-      key = id(finalizer)
-      if key not in _EAGER_FINALIZERS:
+      if finalizer not in _EAGER_FINALIZERS:
         metric = tff_internals.keras_metric_of_finalizer(finalizer)
-        # The finalizer is kept with it: its id is not reused meanwhile.
-        _EAGER_FINALIZERS[key] = (finalizer, python_function if metric is None
-                                  else _ReusedKerasMetric(metric))
-      return _EAGER_FINALIZERS[key][1]
+        _EAGER_FINALIZERS[finalizer] = (
+            python_function if metric is None else _ReusedKerasMetric(metric))
+      return _EAGER_FINALIZERS[finalizer]
   return tf.function(python_function, autograph=False)
 
 
-_EAGER_FINALIZERS: dict[int, tuple[Any, Callable]] = {}
+_EAGER_FINALIZERS: dict[Callable, Callable] = {}  # finalizer -> eager one
 _EAGER_FINALIZERS_LOCK = threading.Lock()
 
 

@@ -24,9 +24,10 @@ grappler - about 10 ms a `map` per client here, more than a small model's
 training steps. Inner iterators of one stream share its function cache, so
 a group pays that once. The stream's own `flat_map` function is marked to be
 instantiated without grappler (`single_device_flat_map`): its iterator,
-made once per group and round, cost 35-63 ms with it. With the per-client loop inside the graph, no
-per-client call, dispatch or value crosses the runtime either, and one
-client's weights at a time are live, which keeps a CPU round compute-bound.
+made once per group and round, cost 35-63 ms with it. With the per-client
+loop inside the graph, no per-client call, dispatch or value crosses the
+runtime either, and one client's weights at a time are live, which keeps a
+CPU round compute-bound.
 
 A group's result (an OrderedDict):
   model_update      sum_i w_i * u_i over its clients, or, for a group of one
