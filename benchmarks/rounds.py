@@ -37,12 +37,15 @@ model's size (flatten + Dense(8) + Dense(1)); mixed FL's central data are
 raw clients kept out of the federated population.
 
 The first --warmup_rounds of every run (tracing/compilation) are not timed;
-a run's time per round is the median of the timed rounds. Peak RSS is that
+a run's time per round is the median of the timed rounds, and so is its CPU
+time per round (user + system of the measuring child and its TFF workers;
+less sensitive than the wall clock to other work on a shared machine, which
+a round's wall time counts and its CPU time mostly does not). Peak RSS is that
 of the measuring child process plus its TFF worker processes, sampled every
 0.2 s. The runs: FedAvg at --clients_per_round in every mode, then each of
 --sweep_algorithms at each of --sweep_clients in the modes that run it. Then
-a table of rounds/s (peak RSS), each algorithm's round time and peak RSS over
-FedAvg's in the same mode and cohort size, and, when (a), (b) and (c) ran,
+a table of rounds/s (peak RSS), each algorithm's round time, CPU time and peak
+RSS over FedAvg's in the same mode and cohort size, and, when (a), (b) and (c) ran,
 
   ratio_tff_over_bound=<(a)/(c)> ratio_naive_over_tff=<(b)/(a)> peak_rss_mb=<(a)>
 
@@ -262,6 +265,31 @@ def _num_subrounds() -> int:
   return -(-_CHILD_CLIENTS.value // per_subround)
 
 
+class _RoundCpu:
+  """CPU seconds (user + system) of each round of a measuring child, with
+  its TFF workers': the readings' differences from a round's start (or the
+  previous round's end) to its end."""
+
+  def __init__(self):
+    self.seconds = []
+    self._last = None
+
+  def _read(self) -> float:
+    import psutil  # pylint: disable=g-import-not-at-top
+    return process_memory.cpu_seconds(psutil.Process())
+
+  def round_started(self) -> None:
+    self._last = self._read()
+
+  def round_ended(self) -> None:
+    now = self._read()
+    self.seconds.append(now - self._last)
+    self._last = now
+
+
+_ROUND_CPU = _RoundCpu()
+
+
 def _run_driver(runtime: str) -> list[float]:
   """(a): the driver's per-round seconds (eval and checkpoint excluded)."""
   import csv  # pylint: disable=g-import-not-at-top
@@ -282,7 +310,15 @@ def _run_driver(runtime: str) -> list[float]:
       rounds_per_eval=total_rounds, rounds_per_checkpoint=total_rounds,
       clients_per_group=_CLIENTS_PER_GROUP.value, export=False,
       runtime=runtime)
-  driver.train(definition, task, config)
+  def round_ended(round_num):
+    del round_num
+    _ROUND_CPU.round_ended()
+    return {}  # No metrics: only the reading.
+
+  # The driver calls it after each round (its evaluation and checkpoint
+  # follow), so a round's CPU runs from the previous round's reading.
+  _ROUND_CPU.round_started()
+  driver.train(definition, task, config, round_metrics=round_ended)
   with open(os.path.join(config.run_dir, 'metrics.csv')) as f:
     return [float(row['round_seconds']) for row in csv.DictReader(f)]
 
@@ -302,10 +338,12 @@ def _run_central_alone() -> list[float]:
   seconds = []
   for round_num in range(_WARMUP_ROUNDS.value + _ROUNDS.value):
     started = time.perf_counter()
+    _ROUND_CPU.round_started()
     native.to_numpy(process.central_result(
         state, driver.plan_round(0, round_num, task.num_train_clients,
                                  _CHILD_CLIENTS.value).server_seed))
     seconds.append(time.perf_counter() - started)
+    _ROUND_CPU.round_ended()
   return seconds
 
 
@@ -334,6 +372,7 @@ def _run_naive_tff() -> list[float]:
   seconds = []
   for round_num in range(1, _WARMUP_ROUNDS.value + _ROUNDS.value + 1):
     started = time.perf_counter()
+    _ROUND_CPU.round_started()
     ids, plan = _sampled_ids(task, round_num)
     # The tutorials' make_federated_data: one preprocessed dataset per
     # sampled client, built in Python.
@@ -345,6 +384,7 @@ def _run_naive_tff() -> list[float]:
         for cid, seed in zip(ids, plan.client_seeds)]
     state = process.next(state, datasets).state
     seconds.append(time.perf_counter() - started)
+    _ROUND_CPU.round_ended()
   return seconds
 
 
@@ -546,6 +586,7 @@ def _run_plain_tf_bound() -> list[float]:
   with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
     for round_num in range(1, _WARMUP_ROUNDS.value + _ROUNDS.value + 1):
       started = time.perf_counter()
+      _ROUND_CPU.round_started()
       plan = driver.plan_round(0, round_num, len(client_ids),
                                _CHILD_CLIENTS.value)
       clients = list(zip(plan.client_indices, plan.client_seeds))
@@ -566,6 +607,7 @@ def _run_plain_tf_bound() -> list[float]:
         for index, _ in clients:
           states.wrote(index, round_num)
       seconds.append(time.perf_counter() - started)
+      _ROUND_CPU.round_ended()
   if states:
     states.evictor.close()
   return seconds
@@ -577,7 +619,9 @@ def run_child() -> None:
             'naive': _run_naive_tff, 'bound': _run_plain_tf_bound,
             'central': _run_central_alone}[_CHILD.value]
   seconds = runner()
-  print(RESULT_PREFIX + json.dumps({'round_seconds': seconds}), flush=True)
+  print(RESULT_PREFIX + json.dumps({'round_seconds': seconds,
+                                    'round_cpu_seconds': _ROUND_CPU.seconds}),
+        flush=True)
 
 
 # ------------------------------------------------------------------ parent --
@@ -633,10 +677,12 @@ def measure(mode: str, clients: int, algorithm: str = 'fedavg') -> dict:
   if child.returncode or not results:
     raise RuntimeError(f'{" ".join(command)} failed ({child.returncode}):\n'
                        + stderr[-3000:])
-  seconds = _timed(json.loads(results[-1][len(RESULT_PREFIX):])[
-      'round_seconds'])
+  result = json.loads(results[-1][len(RESULT_PREFIX):])
+  seconds = _timed(result['round_seconds'])
+  cpu_seconds = _timed(result['round_cpu_seconds'])
   record = dict(mode=mode, algorithm=algorithm, clients=clients,
                 seconds_per_round=statistics.median(seconds),
+                cpu_seconds_per_round=statistics.median(cpu_seconds),
                 round_seconds=seconds, peak_rss_mb=peak_rss,
                 peak_python_mb=peak_python, peak_workers_mb=peak_workers,
                 wall_seconds=time.perf_counter() - started)
@@ -653,7 +699,8 @@ def format_measurement(record: dict) -> str:
           f'), peak RSS {record["peak_rss_mb"]:6.0f} MB (Python '
           f'{record["peak_python_mb"]:.0f}, workers '
           f'{record["peak_workers_mb"]:.0f}), '
-          f'{record["wall_seconds"]:.0f} s wall')
+          f'{record["wall_seconds"]:.0f} s wall, CPU '
+          f'{record["cpu_seconds_per_round"]:.3f} s/round')
 
 
 def _load() -> str:
@@ -779,19 +826,22 @@ def median_records(repeats: list[list[dict]]) -> list[dict]:
       by_key.setdefault(_key(record), []).append(record)
   return [dict(runs[0], **{
       field: statistics.median(r[field] for r in runs)
-      for field in ('seconds_per_round', 'peak_rss_mb', 'peak_python_mb',
-                    'peak_workers_mb')}) for runs in by_key.values()]
+      for field in ('seconds_per_round', 'cpu_seconds_per_round',
+                    'peak_rss_mb', 'peak_python_mb', 'peak_workers_mb')})
+          for runs in by_key.values()]
 
 
-def _ratio_to_fedavg(record: dict, repeats: list[list[dict]]) -> str:
-  """The record's round time over FedAvg's in the same mode and cohort
-  size: with repeats, the median of each repeat's ratio, and the ratios."""
+def _ratio_to_fedavg(record: dict, repeats: list[list[dict]],
+                     field: str = 'seconds_per_round') -> str:
+  """The record's `field` (round time, CPU time) over FedAvg's in the same
+  mode and cohort size: with repeats, the median of each repeat's ratio,
+  and the ratios."""
   algorithm, mode, clients = _key(record)
   ratios = []
   for records in repeats:
     by_key = {_key(r): r for r in records}
-    ratios.append(by_key[_key(record)]['seconds_per_round'] /
-                  by_key[('fedavg', mode, clients)]['seconds_per_round'])
+    ratios.append(by_key[_key(record)][field] /
+                  by_key[('fedavg', mode, clients)][field])
   if len(ratios) == 1:
     return f'x{ratios[0]:.2f}'
   return (f'x{statistics.median(ratios):.2f} (median of '
@@ -826,7 +876,8 @@ def print_summary(records: list[dict], modes: list[str],
       continue
     ratios.append(
         f'  {algorithm} / fedavg, {mode}, {clients} clients: round time '
-        f'{_ratio_to_fedavg(record, repeats)}, '
+        f'{_ratio_to_fedavg(record, repeats)}, CPU time '
+        f'{_ratio_to_fedavg(record, repeats, "cpu_seconds_per_round")}, '
         f'peak RSS x{record["peak_rss_mb"] / fedavg["peak_rss_mb"]:.2f} '
         f'({record["peak_rss_mb"]:.0f} MB)')
   if ratios:

@@ -1,4 +1,5 @@
-"""Resident memory of a measured process and of its TFF worker processes."""
+"""Resident memory and CPU time of a measured process and of its TFF worker
+processes."""
 
 
 def rss_mb(process) -> tuple[float, float]:
@@ -21,6 +22,28 @@ def rss_mb(process) -> tuple[float, float]:
         continue
     totals.append(total / 2**20)
   return totals[0], totals[1]
+
+
+def cpu_seconds(process) -> float:
+  """User plus system CPU seconds of `process` and of its live descendants
+  (TFF's workers), so far.
+
+  A descendant that has ended no longer counts: TFF's workers live as long
+  as the run.
+  """
+  import psutil  # pylint: disable=g-import-not-at-top
+  total = 0.0
+  try:
+    processes = [process] + process.children(recursive=True)
+  except psutil.Error:
+    return total
+  for p in processes:
+    try:
+      times = p.cpu_times()
+    except psutil.Error:
+      continue
+    total += times.user + times.system
+  return total
 
 
 if __name__ == '__main__':

@@ -43,6 +43,34 @@ def test_quick_run_prints_the_ratios_line(rounds):
   records = compare.parse_project_output(result.stdout)
   assert [(r['algorithm'], r['clients']) for r in records] == [('fedavg', 3)]
   assert records[0]['seconds_per_round'] > 0 and records[0]['peak_rss_mb'] > 0
+  # Every measurement's CPU time a round, its child's and workers'.
+  cpu = re.findall(r'^\s*(?:tff|naive|bound)\s+fedavg\s+3 clients:.* CPU '
+                   r'([\d.]+) s/round$', result.stdout, re.MULTILINE)
+  assert len(cpu) == 3 and all(float(c) > 0 for c in cpu), result.stdout
+
+
+def test_cpu_seconds_count_the_measured_process_descendants():
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import psutil  # pylint: disable=import-outside-toplevel
+  from binaries import process_memory  # pylint: disable=import-outside-toplevel
+  # A child (as a TFF worker) that spends 1 s of CPU, then waits: its CPU
+  # counts while it lives.
+  spin = ('import time\nstart = time.process_time()\n'
+          'while time.process_time() - start < 1.0:\n  pass\n'
+          'print("spent", flush=True)\ntime.sleep(60)\n')
+  before = process_memory.cpu_seconds(psutil.Process())
+  child = subprocess.Popen([sys.executable, '-c', spin],
+                           stdout=subprocess.PIPE, text=True)
+  try:
+    assert child.stdout.readline().strip() == 'spent'
+    spent = process_memory.cpu_seconds(psutil.Process()) - before
+  finally:
+    child.kill()
+    child.wait()
+    child.stdout.close()
+  # /proc counts in clock ticks (10 ms).
+  assert spent >= 0.95, spent
 
 
 @pytest.mark.parametrize('flag, message', [
@@ -96,7 +124,8 @@ def test_stateful_bounds_run_revisited_clients_and_print_their_ratios(rounds):
     assert re.search(rf'^\s*bound\s+{algorithm}\s+3 clients:', result.stdout,
                      re.MULTILINE), (algorithm, result.stdout)
     assert re.search(rf'{algorithm} / fedavg, bound, 3 clients: round time '
-                     r'x[\d.]+, peak RSS x[\d.]+', result.stdout), (
+                     r'x[\d.]+, CPU time x[\d.]+, peak RSS x[\d.]+',
+                     result.stdout), (
                          algorithm, result.stdout)
 
 
