@@ -458,3 +458,24 @@ def test_readme_worker_path_command_prints_the_path_and_nothing_else():
   assert result.stderr == ''
   path = result.stdout.strip()
   assert os.access(path, os.X_OK) and os.path.basename(path) == 'worker_binary'
+
+
+@pytest.mark.parametrize('user_value, expected', [(None, '1'), ('2', '2')])
+def test_a_local_worker_splits_no_op_over_threads_unless_the_user_says(
+    monkeypatch, user_value, expected):
+  # Its groups already take a core each; an op's shards waited behind them.
+  variable = tff_runtime.INTRA_OP_THREADS_VARIABLE
+  if user_value is None:
+    monkeypatch.delenv(variable, raising=False)
+  else:
+    monkeypatch.setenv(variable, user_value)
+  before = {p.pid for p in psutil.Process().children(recursive=True)}
+  try:
+    tff_runtime._local_worker()()  # pylint: disable=protected-access
+    started = [p for p in psutil.Process().children(recursive=True)
+               if p.pid not in before and
+               tff_runtime.worker_binary_path() in p.cmdline()]
+    assert len(started) == 1, started
+    assert started[0].environ().get(variable) == expected
+  finally:
+    tff_runtime.shutdown_workers()
