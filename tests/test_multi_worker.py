@@ -462,8 +462,9 @@ def test_readme_worker_path_command_prints_the_path_and_nothing_else():
 
 @pytest.mark.parametrize('user_value, expected', [(None, '1'), ('2', '2')])
 def test_a_local_worker_splits_no_op_over_threads_unless_the_user_says(
-    monkeypatch, user_value, expected):
+    monkeypatch, restore_default_context, user_value, expected):
   # Its groups already take a core each; an op's shards waited behind them.
+  del restore_default_context
   variable = tff_runtime.INTRA_OP_THREADS_VARIABLE
   if user_value is None:
     monkeypatch.delenv(variable, raising=False)
