@@ -39,8 +39,8 @@ raw clients kept out of the federated population.
 The first --warmup_rounds of every run (tracing/compilation) are not timed;
 a run's time per round is the median of the timed rounds, and so is its CPU
 time per round (user + system of the measuring child and its TFF workers;
-less sensitive than the wall clock to other work on a shared machine, which
-a round's wall time counts and its CPU time mostly does not). Peak RSS is that
+it leaves out the time other work on a shared machine takes from the run,
+though it still moves with that work's load). Peak RSS is that
 of the measuring child process plus its TFF worker processes, sampled every
 0.2 s. The runs: FedAvg at --clients_per_round in every mode, then each of
 --sweep_algorithms at each of --sweep_clients in the modes that run it. Then
