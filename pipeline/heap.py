@@ -16,6 +16,11 @@ fixes the mmap threshold at 32 MiB (glibc's own ceiling for its dynamic one)
 so blocks up to that size come from the heap. Freed memory stays in the
 process and is reused; a run's peak RSS is its peak either way. Larger blocks
 are still mapped and unmapped. Elsewhere than glibc on Linux it does nothing.
+
+TFF's local workers are C++ processes that receive and send the same values
+and hold a round's weights, gradients and client states; `child_environment`
+gives them the same thresholds through glibc's environment variables, which a
+process reads at start (`pipeline/tff_runtime.py`).
 """
 
 import ctypes
@@ -28,6 +33,20 @@ _M_MMAP_THRESHOLD = -3
 
 TRIM_THRESHOLD_BYTES = 1 << 30
 MMAP_THRESHOLD_BYTES = 32 << 20
+
+
+# glibc's environment variables for the two thresholds.
+_ENVIRONMENT = {'MALLOC_TRIM_THRESHOLD_': TRIM_THRESHOLD_BYTES,
+                'MALLOC_MMAP_THRESHOLD_': MMAP_THRESHOLD_BYTES}
+
+
+def child_environment(env: dict) -> dict:
+  """`env` with the thresholds above for a child process, unless `env`
+  already sets them (another allocator or libc ignores them)."""
+  env = dict(env)
+  for name, value in _ENVIRONMENT.items():
+    env.setdefault(name, str(value))
+  return env
 
 
 def keep_freed_memory() -> bool:

@@ -22,6 +22,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline import driver
+from pipeline import heap
 from pipeline import tff_runtime
 from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
@@ -458,6 +459,28 @@ def test_readme_worker_path_command_prints_the_path_and_nothing_else():
   assert result.stderr == ''
   path = result.stdout.strip()
   assert os.access(path, os.X_OK) and os.path.basename(path) == 'worker_binary'
+
+
+def test_a_local_worker_keeps_freed_heap_memory_as_the_driver_does(
+    monkeypatch, restore_default_context):
+  # glibc reads the thresholds from its environment at the worker's start;
+  # a value the user set stays.
+  del restore_default_context
+  monkeypatch.delenv('MALLOC_TRIM_THRESHOLD_', raising=False)
+  monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '65536')
+  before = {p.pid for p in psutil.Process().children(recursive=True)}
+  try:
+    tff_runtime._local_worker()()  # pylint: disable=protected-access
+    started = [p for p in psutil.Process().children(recursive=True)
+               if p.pid not in before and
+               tff_runtime.worker_binary_path() in p.cmdline()]
+    assert len(started) == 1, started
+    environment = started[0].environ()
+    assert environment.get('MALLOC_TRIM_THRESHOLD_') == str(
+        heap.TRIM_THRESHOLD_BYTES)
+    assert environment.get('MALLOC_MMAP_THRESHOLD_') == '65536'
+  finally:
+    tff_runtime.shutdown_workers()
 
 
 @pytest.mark.parametrize('user_value, expected', [(None, '1'), ('2', '2')])
