@@ -461,13 +461,8 @@ def test_readme_worker_path_command_prints_the_path_and_nothing_else():
   assert os.access(path, os.X_OK) and os.path.basename(path) == 'worker_binary'
 
 
-def test_a_local_worker_keeps_freed_heap_memory_as_the_driver_does(
-    monkeypatch, restore_default_context):
-  # glibc reads the thresholds from its environment at the worker's start;
-  # a value the user set stays.
-  del restore_default_context
-  monkeypatch.delenv('MALLOC_TRIM_THRESHOLD_', raising=False)
-  monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '65536')
+def _started_worker_environment() -> dict:
+  """The environment of a local worker started now (then shut down)."""
   before = {p.pid for p in psutil.Process().children(recursive=True)}
   try:
     tff_runtime._local_worker()()  # pylint: disable=protected-access
@@ -475,12 +470,22 @@ def test_a_local_worker_keeps_freed_heap_memory_as_the_driver_does(
                if p.pid not in before and
                tff_runtime.worker_binary_path() in p.cmdline()]
     assert len(started) == 1, started
-    environment = started[0].environ()
-    assert environment.get('MALLOC_TRIM_THRESHOLD_') == str(
-        heap.TRIM_THRESHOLD_BYTES)
-    assert environment.get('MALLOC_MMAP_THRESHOLD_') == '65536'
+    return started[0].environ()
   finally:
     tff_runtime.shutdown_workers()
+
+
+def test_a_local_worker_keeps_freed_heap_memory_as_the_driver_does(
+    monkeypatch, restore_default_context):
+  # glibc reads the thresholds from its environment at the worker's start;
+  # a value the user set stays.
+  del restore_default_context
+  monkeypatch.delenv('MALLOC_TRIM_THRESHOLD_', raising=False)
+  monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '65536')
+  environment = _started_worker_environment()
+  assert environment.get('MALLOC_TRIM_THRESHOLD_') == str(
+      heap.TRIM_THRESHOLD_BYTES)
+  assert environment.get('MALLOC_MMAP_THRESHOLD_') == '65536'
 
 
 @pytest.mark.parametrize('user_value, expected', [(None, '1'), ('2', '2')])
@@ -493,13 +498,4 @@ def test_a_local_worker_splits_no_op_over_threads_unless_the_user_says(
     monkeypatch.delenv(variable, raising=False)
   else:
     monkeypatch.setenv(variable, user_value)
-  before = {p.pid for p in psutil.Process().children(recursive=True)}
-  try:
-    tff_runtime._local_worker()()  # pylint: disable=protected-access
-    started = [p for p in psutil.Process().children(recursive=True)
-               if p.pid not in before and
-               tff_runtime.worker_binary_path() in p.cmdline()]
-    assert len(started) == 1, started
-    assert started[0].environ().get(variable) == expected
-  finally:
-    tff_runtime.shutdown_workers()
+  assert _started_worker_environment().get(variable) == expected
