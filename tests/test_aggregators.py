@@ -162,6 +162,15 @@ def test_epsilon_is_dp_accountings():
   assert math.isinf(accounting.accounting(0.0, 500, 20).epsilon(3))
 
 
+def test_an_epsilon_past_float32_is_inf():
+  # With noise near 0 epsilon exceeds float32 after a few rounds; logged as
+  # such it failed TensorBoard's write (a crash at every re-run).
+  spent = accounting.accounting(2e-19, population=10, clients_per_round=2)
+  assert math.isfinite(spent.epsilon(1))
+  assert math.isinf(spent.epsilon(4))
+  assert math.isinf(spent.epsilon(40))
+
+
 def test_dp_resume_is_bit_identical(tasks, tmp_path, tmp_path_factory):
   # SCAFFOLD: client states too; noise large enough to matter.
   dp = factories.AggregatorSettings(aggregator=factories.DP, clip_norm=0.5,

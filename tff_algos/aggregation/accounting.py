@@ -58,6 +58,11 @@ class DpAccounting:
     with np.errstate(divide='ignore'):
       epsilon, _ = dp_accounting.rdp.compute_epsilon(
           one_round.orders, rounds * one_round.rdp, self.target_delta)
+    # Past float32's range (noise near 0) it is no guarantee, and logged as a
+    # float32 metric it would fail TensorBoard's scalar write: inf, as
+    # without noise.
+    if not epsilon <= np.finfo(np.float32).max:
+      return float('inf')
     return float(epsilon)
 
 
