@@ -448,9 +448,12 @@ def parse_worker_addresses(addresses: str) -> tuple[str, ...]:
     host, _, port = address.rpartition(':')
     # A scheme or path (http://host:port) would only fail after the wait.
     if (not host or '/' in host or any(c.isspace() for c in host) or
-        not port.isdigit() or not 0 < int(port) < 65536):
+        not port.isdigit()):
       raise UsageError(f'--worker_addresses: {address!r} is not host:port '
                        '(e.g. localhost:8000)')
+    if not 0 < int(port) < 65536:
+      raise UsageError(f'--worker_addresses: the port of {address!r} is out '
+                       'of range (1-65535)')
     parsed.append(address)
   if addresses.strip() and not parsed:
     raise UsageError(f'--worker_addresses={addresses!r} names no worker '
@@ -476,6 +479,7 @@ def _remote_worker(address: str):
         f'--worker_addresses: no TFF worker answers at {address} within '
         f'{REMOTE_CONNECT_SECONDS} s (start one there with `worker_binary '
         '--port=PORT`)') from None
+  _check_is_tff_worker(channel, address)
   stub = tff.framework.RemoteExecutorGrpcStub(channel)
 
   def stub_fn():
@@ -493,6 +497,31 @@ def _remote_worker(address: str):
     return stub
 
   return stub_fn
+
+
+def _check_is_tff_worker(channel, address: str) -> None:
+  """EnvironmentFault unless a TFF executor service answers on `channel`.
+
+  Another gRPC server at the address (a port reused by some other service)
+  accepts the connection, and TFF's first call then fails deep in the
+  round with UNIMPLEMENTED. Disposing of no executor is a no-op for a TFF
+  worker (it answers OK) and unknown to any other service."""
+  import grpc  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.proto.v0 import executor_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.proto.v0 import executor_pb2_grpc  # pylint: disable=g-import-not-at-top
+  from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
+  try:
+    executor_pb2_grpc.ExecutorGroupStub(channel).DisposeExecutor(
+        executor_pb2.DisposeExecutorRequest(), timeout=REMOTE_CONNECT_SECONDS)
+  except grpc.RpcError as error:
+    code = error.code() if isinstance(error, grpc.Call) else None
+    channel.close()
+    what = ('is not a TFF worker (it does not know TFF\'s executor service)'
+            if code == grpc.StatusCode.UNIMPLEMENTED else
+            f'does not answer as a TFF worker ({code.name if code else error})')
+    raise EnvironmentFault(
+        f'--worker_addresses: the server at {address} {what}; start one '
+        'there with `worker_binary --port=PORT`') from None
 
 
 def configure_execution(max_concurrent_computation_calls: int = -1,

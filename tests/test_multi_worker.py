@@ -406,6 +406,30 @@ def test_malformed_worker_address_is_a_usage_error(addresses):
     tff_runtime.parse_worker_addresses(addresses)
 
 
+def test_an_out_of_range_port_is_named():
+  with pytest.raises(UsageError, match=r"the port of 'h:70000' is out of "
+                     r'range \(1-65535\)'):
+    tff_runtime.parse_worker_addresses('h:70000')
+
+
+def test_another_grpc_server_is_not_taken_for_a_worker():
+  # It accepts the connection; TFF's first call in the round then failed
+  # with UNIMPLEMENTED and a traceback.
+  import grpc  # pylint: disable=g-import-not-at-top
+  from concurrent import futures  # pylint: disable=g-import-not-at-top
+  server = grpc.server(futures.ThreadPoolExecutor(1))
+  port = server.add_insecure_port('localhost:0')
+  server.start()
+  try:
+    with pytest.raises(EnvironmentFault,
+                       match=f'the server at localhost:{port} is not a TFF '
+                       'worker'):
+      tff_runtime.configure_execution(
+          worker_addresses=(f'localhost:{port}',))
+  finally:
+    server.stop(None)
+
+
 def test_worker_addresses_are_parsed():
   assert tff_runtime.parse_worker_addresses(' a:1, 10.0.0.2:8000 ,') == (
       'a:1', '10.0.0.2:8000')
