@@ -315,6 +315,17 @@ def run(main, allow_positional_args: bool = False) -> None:
     tff_runtime.shutdown_workers()
     exit_without_finalizing(status)
 
+  def interrupted():
+    # Ctrl-C is a way to stop, not a fault: no traceback. A run's writes
+    # are atomic, so the same command goes on from the last one.
+    # What it cut short (e.g. an event loop of a checkpoint write, half
+    # made, and its coroutine) is reported by Python at collection as
+    # "Exception ignored ..." and "never awaited"; nothing to act on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.unraisablehook = lambda unraisable: None
+    warnings.simplefilter('ignore')
+    fail(interrupts.message(), EXIT_INTERRUPTED)
+
   def guarded_main(argv):
     # Notes read `WARNING: <message>`, not absl's `W1127 03:40:39.567080
     # 140476141452160 run_logs.py:191] <message>`, which reads as an
@@ -336,19 +347,17 @@ def run(main, allow_positional_args: bool = False) -> None:
     except UsageError as e:
       fail(str(e), EXIT_USAGE)
     except KeyboardInterrupt:
-      # Ctrl-C is a way to stop, not a fault: no traceback. A run's writes
-      # are atomic, so the same command goes on from the last one.
-      # What it cut short (e.g. an event loop of a checkpoint write, half
-      # made, and its coroutine) is reported by Python at collection as
-      # "Exception ignored ..." and "never awaited"; nothing to act on.
-      signal.signal(signal.SIGINT, signal.SIG_IGN)
-      sys.unraisablehook = lambda unraisable: None
-      warnings.simplefilter('ignore')
-      fail(interrupts.INTERRUPTED, EXIT_INTERRUPTED)
+      interrupted()
     except (NotADirectoryError, IsADirectoryError) as e:
       # A path given through a file, or a file path that is a directory.
       fail(f'{e.filename}: {e.strerror}', EXIT_USAGE)
     except Exception as e:  # pylint: disable=broad-except
+      if interrupts.requested() or any(
+          isinstance(link, KeyboardInterrupt) for link in _chain(e)):
+        # The KeyboardInterrupt came inside a C extension's callback (e.g.
+        # SavedModel tracing), which reported it as its own error, such as
+        # "SystemError: ... returned a result with an exception set".
+        interrupted()
       message = environment_fault_message(e)
       if message is not None:
         fail(message, EXIT_ENVIRONMENT)

@@ -23,7 +23,13 @@ import sys
 # (pipeline.driver); rounds after its last checkpoint are trained again.
 INTERRUPTED = ('interrupted; re-run the same command to go on (a training '
                'run from its last checkpoint)')
+# The other programs' (evaluate, export, plot, benchmarks...): they write
+# their outputs whole or not at all, and have nothing to go on from.
+INTERRUPTED_WITHOUT_RESUME = ('interrupted; what it had not finished was not '
+                              'written: re-run the same command')
 EXIT_INTERRUPTED = 130
+# Programs that go on from a checkpoint when re-run.
+_RESUMING_PROGRAMS = ('binaries.train',)
 
 _depth = 0
 _pending = False
@@ -80,11 +86,23 @@ def run_coroutine(coroutine):
 _APP_PACKAGES = ('binaries.', 'benchmarks.')
 
 
+def _main_program() -> str:
+  spec = getattr(sys.modules.get('__main__'), '__spec__', None)
+  return spec.name if spec else ''
+
+
+def message() -> str:
+  """The line (after "error: ") this program prints when interrupted."""
+  if _main_program().startswith(_APP_PACKAGES) and (
+      _main_program() not in _RESUMING_PROGRAMS):
+    return INTERRUPTED_WITHOUT_RESUME
+  return INTERRUPTED
+
+
 def _runs_as_app_program() -> bool:
   if sys.argv[:1] == ['-m']:  # `python -m binaries.x`: its package imports.
     return True
-  spec = getattr(sys.modules.get('__main__'), '__spec__', None)
-  return bool(spec and spec.name.startswith(_APP_PACKAGES))
+  return _main_program().startswith(_APP_PACKAGES)
 
 
 def exit_at_once_while_starting() -> None:
@@ -101,7 +119,7 @@ def exit_at_once_while_starting() -> None:
 
   def exit_now(signum, frame):
     del signum, frame
-    os.write(stderr, f'error: {INTERRUPTED}\n'.encode())
+    os.write(stderr, f'error: {message()}\n'.encode())
     os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
 
   signal.signal(signal.SIGINT, exit_now)

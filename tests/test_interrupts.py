@@ -82,3 +82,44 @@ def test_a_ctrl_c_lost_in_a_finalizer_comes_at_the_next_check(
   assert interrupts.requested()
   with pytest.raises(KeyboardInterrupt):
     interrupts.check()
+
+
+@pytest.mark.parametrize('program, resumes', [
+    ('binaries.train', True), ('binaries.export', False),
+    ('binaries.evaluate', False), ('benchmarks.rounds', False),
+    (None, True)])
+def test_only_a_training_program_speaks_of_going_on(monkeypatch, program,
+                                                     resumes):
+  # evaluate, export and the benchmarks said "re-run the same command to go
+  # on (a training run from its last checkpoint)": they have nothing to go
+  # on from.
+  main = type(sys)('__main__')
+  main.__spec__ = (None if program is None else
+                   type('Spec', (), {'name': program})())
+  monkeypatch.setitem(sys.modules, '__main__', main)
+  assert (interrupts.message() == interrupts.INTERRUPTED) == resumes
+  assert 'go on' not in interrupts.INTERRUPTED_WITHOUT_RESUME
+
+
+def test_a_ctrl_c_another_error_reports_is_still_one_line(tmp_path):
+  # A KeyboardInterrupt raised inside a C extension's Python callback (e.g.
+  # SavedModel tracing in export) surfaced as a SystemError chained to it:
+  # a traceback, about 1 in 15 Ctrl-Cs of an export.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  script = tmp_path / 'wrapped.py'
+  script.write_text(
+      'from binaries import app\n'
+      'def main(argv):\n'
+      '  try:\n'
+      '    raise KeyboardInterrupt\n'
+      '  except KeyboardInterrupt:\n'
+      '    raise SystemError("<built-in function trace> returned a result '
+      'with an exception set")\n'
+      'app.run(main)\n')
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, str(script)], cwd=repo,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=repo))
+  assert result.returncode == 130, result.stderr[-3000:]
+  assert result.stderr.splitlines() == [
+      f'error: {interrupts.INTERRUPTED}'], result.stderr[-3000:]
