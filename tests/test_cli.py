@@ -258,15 +258,21 @@ def test_usage_examples_keep_their_line_breaks():
   assert not joined, f'docstrings whose line breaks Python removes: {joined}'
 
 
-def test_help_lists_the_run_flags_and_exits_0():
+@pytest.mark.parametrize('module, listed', [
+    ('binaries.train', ('--task', '--algorithm', '--client_learning_rate',
+                        '--pvr_last_layers', '--[no]allow_flag_changes')),
+    # benchmark's flags are those of the module it runs: it listed none.
+    ('binaries.benchmark', ('--sweep_algorithms', '--clients_per_round',
+                            '--modes')),
+])
+def test_help_lists_the_run_flags_and_exits_0(module, listed):
   # absl's --help exited 1 (a bug, by the binaries' statuses) and listed only
   # --allow_flag_changes; the other flags were under --helpfull.
   result = subprocess.run(
-      [sys.executable, '-m', 'binaries.train', '--help'], cwd=REPO,
+      [sys.executable, '-m', module, '--help'], cwd=REPO,
       capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
-  for flag in ('--task', '--algorithm', '--client_learning_rate',
-               '--pvr_last_layers', '--[no]allow_flag_changes'):
+  for flag in listed:
     assert flag in result.stdout + result.stderr, flag
 
 
