@@ -738,11 +738,18 @@ def run_parent() -> None:
                         (_NAIVE_MAX_CLIENTS, 0)):
     if flag.value < minimum:
       raise UsageError(f'--{flag.name} must be >= {minimum}, got {flag.value}')
-  if _RUN_ROOT.value is not None and not (
-      os.path.isdir(_RUN_ROOT.value) and os.access(_RUN_ROOT.value,
-                                                   os.W_OK | os.X_OK)):
-    raise UsageError(f'--run_root={_RUN_ROOT.value} is not a writable '
-                     'directory')
+  if _RUN_ROOT.value is not None:
+    root = _RUN_ROOT.value
+    if not os.path.exists(root):
+      problem = 'does not exist (make it first)'
+    elif not os.path.isdir(root):
+      problem = 'is not a directory'
+    elif not os.access(root, os.W_OK | os.X_OK):
+      problem = 'is not writable'
+    else:
+      problem = None
+    if problem:
+      raise UsageError(f'--run_root={root} {problem}')
   modes = [m for m in MODES if m in _MODES.value]
   unknown = sorted(set(_MODES.value) - set(MODES))
   if unknown or not modes:

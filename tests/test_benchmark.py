@@ -136,16 +136,19 @@ def test_unknown_algorithm_is_one_clear_error(rounds):
       result.stdout + result.stderr)
 
 
-@pytest.mark.parametrize('make_root', [
-    lambda tmp: str(tmp / 'missing'),
-    lambda tmp: str((tmp / 'file').write_text('x') and tmp / 'file'),
+@pytest.mark.parametrize('make_root, problem', [
+    # A missing directory was called "not a writable directory".
+    (lambda tmp: str(tmp / 'missing'), 'does not exist (make it first)'),
+    (lambda tmp: str((tmp / 'file').write_text('x') and tmp / 'file'),
+     'is not a directory'),
 ])
-def test_unusable_run_root_is_one_clear_error(rounds, tmp_path, make_root):
+def test_unusable_run_root_is_one_clear_error(rounds, tmp_path, make_root,
+                                              problem):
   root = make_root(tmp_path)
   result = rounds('--quick', f'--run_root={root}')
   assert result.returncode == 2
   assert result.stderr.strip() == (
-      f'error: --run_root={root} is not a writable directory'), result.stderr
+      f'error: --run_root={root} {problem}'), result.stderr
 
 
 @pytest.mark.parametrize('state, megabytes', [('scaffold', '5.4'),
