@@ -684,12 +684,12 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
     logging.info('Resuming %s from round %d', run_dir, start_round)
 
   if start_round < config.total_rounds:
-    # Each makes a file (TensorBoard a new events file per run): only when
-    # a round will be logged.
+    # It makes its file: only when a round will be logged.
     csv_metrics = tff.program.CSVFileReleaseManager(
         os.path.join(run_dir, 'metrics.csv'), key_fieldname='round_num')
-    tensorboard = tff.program.TensorBoardReleaseManager(
-        os.path.join(run_dir, 'tensorboard'))
+  # TensorBoard's makes a new events file per run when built: built with the
+  # first row, so that a run which fails before one leaves no empty file.
+  tensorboard = []
   evaluator = None
   client_ids = np.asarray(task.train_client_ids, dtype=object)
   group_size = cohort.clients_per_group(
@@ -747,7 +747,10 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
         row['eval_seconds'] = time.perf_counter() - eval_started
       with interrupts.deferred():  # A Ctrl-C meanwhile finds the row done.
         interrupts.run_coroutine(csv_metrics.release(row, round_num))
-        interrupts.run_coroutine(tensorboard.release(row, round_num))
+        if not tensorboard:
+          tensorboard.append(tff.program.TensorBoardReleaseManager(
+              os.path.join(run_dir, 'tensorboard')))
+        interrupts.run_coroutine(tensorboard[0].release(row, round_num))
         completed = (round_num, server_state)
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
         checkpoints.save(round_num, server_state, _client_versions(keeper))

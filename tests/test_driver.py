@@ -83,6 +83,26 @@ def test_crash_after_logging_resumes_from_checkpoint(fedavg, task, tmp_path):
   assert read_metrics(tmp_path / 'crash' / 'metrics.csv') == expected
 
 
+def test_a_run_that_fails_before_its_first_row_leaves_no_events_file(
+    fedavg, task, tmp_path):
+  # TensorBoard's writer made an empty events file at the start of a run
+  # whose first round then failed; each re-run that failed made another.
+  class RoundFailed(Exception):
+    pass
+
+  def fail(round_num):
+    raise RoundFailed(round_num)
+
+  config = driver.RunConfig(root_output_dir=str(tmp_path),
+                            experiment_name='failed', total_rounds=2,
+                            clients_per_round=3)
+  with pytest.raises(RoundFailed):
+    driver.train(fedavg, task, config, {'name': 'failed'},
+                 round_metrics=fail)
+  tensorboard = tmp_path / 'failed' / 'tensorboard'
+  assert not tensorboard.exists() or not os.listdir(tensorboard)
+
+
 def test_other_seed_gives_other_run(fedavg, task, tmp_path):
   a = run(fedavg, task, tmp_path, 'seed0', 1, seed=0)
   b = run(fedavg, task, tmp_path, 'seed1', 1, seed=1)
