@@ -121,6 +121,14 @@ def damaged_events_message(p):
           'tensorboard directory to resume without its events')
 
 
+def renamed_metrics_column(p):
+  path = os.path.join(p.base, 'metrics.csv')
+  with open(path) as f:
+    header, rest = f.read().split('\n', 1)
+  with open(path, 'w') as f:
+    f.write(header.replace(',train/loss,', ',train/lozz,') + '\n' + rest)
+
+
 def remove(relative):
   def setup(p):
     os.remove(os.path.join(p.root, relative))
@@ -578,6 +586,14 @@ CASES = [
     Case('metrics_empty', 'train', resume_base(),
          lambda p: f'{p.base}/metrics.csv is empty' + NOT_METRICS,
          setup=write('base/metrics.csv', '')),
+    # Accepted: the resumed rows put train/loss into a new last column.
+    Case('metrics_renamed_column', 'train', resume_base(),
+         lambda p: f'{p.base}/metrics.csv: its header does not name the '
+         'columns the run wrote (compared with the events in '
+         f'{p.base}/tensorboard): no column train/loss (logged for rounds '
+         '1-3); column train/lozz holds values the run did not log; restore '
+         'the header, or use a new --experiment_name',
+         setup=renamed_metrics_column),
     Case('metrics_a_directory', 'train', resume_base(),
          lambda p: f'{p.base}/metrics.csv is a directory' + NOT_METRICS,
          setup=replace_with_directory('base/metrics.csv')),
