@@ -120,6 +120,8 @@ def _load_client_data(config: base.DataConfig):
     raise load_error('CelebA', database, e) from e
   client_database.require_readable_client_ids(database, (train, test),
                                               COMPOSITE_SEPARATOR)
+  client_database.require_examples(database, 'CelebA', {
+      'split_by_clients_train': 'train', 'split_by_clients_test': 'test'})
   return train, test
 
 

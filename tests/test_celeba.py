@@ -126,6 +126,20 @@ def test_another_datasets_file_is_a_usage_error_that_says_so(tmp_path):
       "of the task's splits (another dataset's file?)")
 
 
+@pytest.mark.parametrize('role', ['train', 'test'])
+def test_a_split_without_examples_is_a_usage_error(tmp_path, role):
+  # Its clients listed, their rows gone: the run trained on nothing (a
+  # train loss of 0) or logged no evaluation, with status 0.
+  path = tmp_path / 'celeba.sqlite'
+  write_celeba_sqlite(path)
+  split = f'split_by_clients_{role}'
+  celeba_fixture.without_examples(path, split)
+  with pytest.raises(UsageError) as raised:
+    celeba.build_task(_config(str(tmp_path), 'federated'))
+  assert str(raised.value) == celeba_fixture.no_examples_message(
+      path, 'CelebA', role, split)
+
+
 def _with_train_client(path, client_id):
   import sqlite3  # pylint: disable=g-import-not-at-top
   from tasks import client_database  # pylint: disable=g-import-not-at-top
