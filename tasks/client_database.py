@@ -85,6 +85,40 @@ def require_readable_client_ids(database: str, client_data: Iterable,
             'file\'s examples and client_metadata tables')
 
 
+def require_text_client_ids(database: str, splits: Sequence[str]) -> None:
+  """UsageError naming `database`, the split and the id if a client of
+  `splits` has an id that is not UTF-8 text (a blob, or text of other
+  bytes): TFF's loader failed on it with "'<' not supported between
+  instances of 'bytes' and 'str'" or SQLite's decoding error, naming no
+  client. A file SQLite cannot read is left to the loader's own error."""
+  try:
+    connection = sqlite3.connect(f'file:{database}?mode=ro', uri=True)
+    try:
+      connection.text_factory = bytes
+      rows = connection.execute(
+          'SELECT split_name, client_id, typeof(client_id) = \'blob\' FROM '
+          'client_metadata WHERE split_name IN '
+          f'({", ".join("?" * len(splits))})', tuple(splits)).fetchall()
+    finally:
+      connection.close()
+  except sqlite3.Error:
+    return
+  for split, client_id, is_blob in rows:
+    if is_blob:
+      shown = f"x'{client_id.hex()}' (a blob, not text)"
+    else:
+      try:
+        client_id.decode('utf-8')
+        continue
+      except UnicodeDecodeError:
+        shown = f'{client_id!r} (not UTF-8)'
+    raise UsageError(
+        f'{database} has client id {shown} in its '
+        f'{split.decode("utf-8", "replace")} split: TFF\'s reader takes only '
+        'UTF-8 text ids; rename that client in the file\'s examples and '
+        'client_metadata tables')
+
+
 # What a task does with a split's examples, by its role (`require_examples`).
 _USE_OF_SPLIT = {'train': 'train', 'test': 'evaluate'}
 

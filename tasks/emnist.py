@@ -197,6 +197,8 @@ def _load_real(config: base.DataConfig, only_digits: bool):
     raise UsageError(
         f'--cache_dir={cache_dir} has no {SQLITE_NAME} (TFF EMNIST); pass '
         '--download to fetch it, or --use_synthetic_data')
+  client_database.require_text_client_ids(
+      database, (TRAIN_SPLIT[only_digits], TEST_SPLIT[only_digits]))
   try:
     _, test = tff.simulation.datasets.emnist.load_data(
         only_digits=only_digits, cache_dir=cache_dir)

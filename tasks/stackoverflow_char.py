@@ -200,6 +200,9 @@ def load_stackoverflow(config: base.DataConfig):
                        'StackOverflow); pass --download to fetch it, or '
                        '--use_synthetic_data')
   database = os.path.join(cache_dir, SQLITE_NAME)
+  # The splits TFF's loader reads.
+  client_database.require_text_client_ids(database,
+                                          ('train', 'heldout', 'test'))
   try:
     train, _, test = tff.simulation.datasets.stackoverflow.load_data(
         cache_dir=cache_dir)
