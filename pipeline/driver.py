@@ -477,12 +477,14 @@ class ClientStateKeeper:
       raise UsageError(f'{e}; resume with the run\'s clients') from e
     foreign = client_states.foreign_entries(self.format.directory)
     if foreign:
-      # Deleting them could lose a user's data; leaving them, a resume or a
-      # checkpoint's clean-up stopped at "Is a directory".
+      # Deleting them could lose a user's data (the store never does);
+      # leaving them, a resume or a checkpoint's clean-up stopped at "Is a
+      # directory".
       raise UsageError(
           f'{foreign[0]} is not a client-state file (the store holds only '
-          'files in round_<r> directories); move it out of '
-          f'{self.format.directory} and re-run the same command')
+          '<client id, base64url>.state files in round_<r> directories); '
+          f'move it out of {self.format.directory} and re-run the same '
+          'command')
     client_states.recover(self.format.directory, round_num)
     require_state_files(self.format, self.index, round_num)
     self._kept = {round_num: self.index.versions.copy()}

@@ -8,7 +8,8 @@ left behind.
 - `check_resume`: before anything is written, metrics.csv and the
   TensorBoard events are checked (`run_logs.check_metrics`,
   `run_logs.check_tensorboard`: only what a kill leaves may differ from one
-  row per round up to the checkpoint), and the flags of a resumed run are
+  row per round up to the checkpoint; `run_logs.check_columns`: each row's
+  columns are the names its round logged), and the flags of a resumed run are
   compared with its hparams.json; a flag that changes results and differs is
   refused (one line naming each), unless the caller allows changes, which are
   then recorded in hparams.json under `flag_changes`. Flags that do not
@@ -353,7 +354,12 @@ def check_resume(run_dir: str, start_round: Optional[int],
   metrics_path = os.path.join(run_dir, run_logs.METRICS_FILE)
   # UsageError if damaged, or not one row per round up to the checkpoint.
   metrics = run_logs.check_metrics(metrics_path, start_round or 0)
-  run_logs.check_tensorboard(os.path.join(run_dir, TENSORBOARD_DIR))
+  tensorboard_dir = os.path.join(run_dir, TENSORBOARD_DIR)
+  logged = run_logs.check_tensorboard(tensorboard_dir)
+  if metrics is not None and start_round:
+    # A renamed column would split its metric in two.
+    run_logs.check_columns(metrics_path, metrics, logged, start_round,
+                           tensorboard_dir)
   current = _as_json(hparams or {})
   if start_round is None:
     if metrics is not None and metrics.rows:

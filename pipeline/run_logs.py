@@ -14,13 +14,31 @@ while a checkpoint exists, rows of rounds up to the checkpoint missing,
 repeated or out of order; an events file damaged before its last record, or
 not an events file of this pipeline) is a UsageError naming the file, raised
 before anything is rewritten (`check_metrics`, `check_tensorboard`).
+
+A header whose column names were changed (a renamed, damaged, added or
+swapped name) would pass those checks, and TFF's CSV writer would then put
+the resumed rounds' values of a renamed metric into a new column at the end
+(its name taken from the row, any column missing from the header is added):
+one metric split across two columns. The names a run logs are known only
+once it has run a round, but every row was released to TensorBoard too,
+with the same names and values, so `check_columns` compares each kept row
+with its round's scalar events: every scalar logged for the round must be a
+column holding that value (a renamed or damaged name leaves its metric
+without a column, a swapped one holds the other's values). Columns may
+legitimately differ from row to row - a round without evaluation leaves the
+evaluation columns empty, a column first logged later (the first evaluation)
+is added at the end, and the header keeps the columns of rows a resume
+dropped - so the rule is per row, not on the header alone. TensorBoard's
+writer buffers events, so a killed run may lose a round's last ones: rounds
+without events are not compared, and a column with values the events lack
+is named in the error but is not by itself a reason for one.
 """
 
 import dataclasses
 import logging
 import os
 import struct
-from typing import Optional
+from typing import Mapping, Optional
 
 from pipeline.errors import UsageError
 
@@ -47,6 +65,9 @@ class MetricsLines:
   rounds: list[int]
   # A last line without its newline: a write that was cut off.
   partial_tail: str
+  # The header's column names and each row's fields.
+  columns: list[str] = dataclasses.field(default_factory=list)
+  fields: list[list[str]] = dataclasses.field(default_factory=list)
 
 
 def _damaged(path: str, what: str) -> UsageError:
@@ -77,14 +98,19 @@ def read_metrics(path: str) -> Optional[MetricsLines]:
   header = next(csv.reader([lines[0]]))
   if not header or header[0] != ROUND_COLUMN:
     raise _damaged(path, f'does not start with a {ROUND_COLUMN} column')
+  repeated = sorted({c for c in header if header.count(c) > 1})
+  if repeated:
+    raise _damaged(path, f'names the column {repeated[0]} twice')
   rounds = []
+  rows = []
   for number, line in enumerate(lines[1:], start=2):
     fields = next(csv.reader([line]), [])
     if len(fields) != len(header) or not fields[0].isdigit():
       after = f' (after the row of round {rounds[-1]})' if rounds else ''
       raise _damaged(path, f'line {number}{after} is not a row of its columns')
     rounds.append(int(fields[0]))
-  return MetricsLines(lines[0], lines[1:], rounds, partial_tail)
+    rows.append(fields)
+  return MetricsLines(lines[0], lines[1:], rounds, partial_tail, header, rows)
 
 
 def comparable_rows(path: str) -> list[dict[str, str]]:
@@ -297,16 +323,91 @@ def read_events(path: str) -> tuple[list[bytes], bool]:
   return records, bool(tail)
 
 
-def check_tensorboard(directory: str) -> None:
+# {round: {metric name: the value logged}}: a run's scalar events.
+LoggedScalars = Mapping[int, Mapping[str, float]]
+
+
+def check_tensorboard(directory: str) -> LoggedScalars:
   """UsageError if an events file under `directory` is damaged other than
   by a cut-off last record, or is not one this pipeline wrote (see
-  `read_events`). Writes nothing."""
+  `read_events`). Writes nothing. Returns the scalars of the events files
+  the run's writer makes (those directly in `directory`), by round."""
+  from tensorflow.core.util import event_pb2  # pylint: disable=g-import-not-at-top
   if os.path.lexists(directory) and not os.path.isdir(directory):
     # TensorFlow's summary writer failed on it with a traceback.
     raise UsageError(f'{directory} is a file, not the run\'s TensorBoard '
                      'directory: move it away, or use a new --experiment_name')
+  logged = {}
   for path in event_files(directory):
-    read_events(path)
+    records, _ = read_events(path)
+    if os.path.dirname(path) != directory.rstrip(os.sep):
+      continue  # Not the run's writer's (e.g. a profile of the user's).
+    for record in records[1:]:
+      event = event_pb2.Event.FromString(record)
+      for value in event.summary.value:
+        if value.metadata.plugin_data.plugin_name == 'scalars':
+          logged.setdefault(event.step, {})[value.tag] = _scalar(value)
+  return logged
+
+
+def _scalar(value) -> float:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return float(tf.make_ndarray(value.tensor).reshape(()))
+
+
+def _same_value(text: str, logged: float) -> bool:
+  """Whether a metrics.csv field holds the value TensorBoard logged (as
+  float32, which TensorBoard keeps)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  try:
+    written = np.float32(float(text))
+  except ValueError:
+    return False
+  logged = np.float32(logged)
+  return bool(written == logged or (np.isnan(written) and np.isnan(logged)))
+
+
+def check_columns(path: str, metrics: MetricsLines, logged: LoggedScalars,
+                  last_round: int, tensorboard_dir: str) -> None:
+  """UsageError unless metrics.csv's rows up to `last_round` hold, each in
+  the column of its name, the scalars the run logged to TensorBoard for
+  their rounds (`logged`, from `check_tensorboard`; see the module doc).
+  Rounds without logged scalars are not compared, and a column the events
+  lack is no proof (a killed run may lose a round's last events): it is
+  named in the error, not a reason for it. Writes nothing."""
+  index = {column: i for i, column in enumerate(metrics.columns)}
+  missing = {}  # Logged names that are not columns -> their rounds.
+  differing = []  # (column, round, field, logged value).
+  compared = set()  # Columns with a value in a compared row.
+  logged_names = set()
+  for fields, round_num in zip(metrics.fields, metrics.rounds):
+    scalars = logged.get(round_num)
+    if round_num > last_round or not scalars:
+      continue
+    logged_names.update(scalars)
+    compared.update(c for c, f in zip(metrics.columns[1:], fields[1:]) if f)
+    for name, value in sorted(scalars.items()):
+      if name not in index:
+        missing.setdefault(name, []).append(round_num)
+      elif not _same_value(fields[index[name]], value):
+        differing.append((name, round_num, fields[index[name]], value))
+  if not missing and not differing:
+    return
+  problems = [f'no column {name} (logged for round'
+              f'{"s" if len(rounds) > 1 else ""} {_round_ranges(rounds)})'
+              for name, rounds in sorted(missing.items())]
+  # Only named: a killed run's events may lack a round's last scalars.
+  problems += [f'column {name} holds values the run did not log'
+               for name in sorted(compared - logged_names)]
+  if not missing:
+    name, round_num, field, value = differing[0]
+    problems.append(f'column {name} holds {field or "nothing"} in the row of'
+                    f' round {round_num}, where the run logged {value:g}')
+  raise UsageError(
+      f'{path}: its header does not name the columns the run wrote '
+      f'(compared with the events in {tensorboard_dir}): '
+      f'{"; ".join(problems)}; restore the header, or use a new '
+      '--experiment_name')
 
 
 def trim_tensorboard(directory: str, last_round: int) -> None:

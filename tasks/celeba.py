@@ -39,6 +39,8 @@ MODES = ('mixed', 'fl_only', 'oracle', 'federated')
 COMPOSITE_SIZE = 3
 COMPOSITE_SEPARATOR = '|'
 SQLITE_NAME = 'celeba.sqlite'
+# The splits of celeba.sqlite TFF's loader reads (train, test).
+_SPLITS = ('split_by_clients_train', 'split_by_clients_test')
 
 # Synthetic stand-in: same element structure as the real loader.
 SYNTHETIC_TRAIN_CLIENTS = 60
@@ -113,6 +115,7 @@ def _load_client_data(config: base.DataConfig):
       raise UsageError(f'--cache_dir={cache_dir} has no {SQLITE_NAME} (TFF '
                        'CelebA); pass --download to fetch it, or '
                        '--use_synthetic_data')
+  client_database.require_text_client_ids(database, _SPLITS)
   try:
     train, test = tff.simulation.datasets.celeba.load_data(
         split_by_clients=True, cache_dir=cache_dir)
@@ -120,6 +123,8 @@ def _load_client_data(config: base.DataConfig):
     raise load_error('CelebA', database, e) from e
   client_database.require_readable_client_ids(database, (train, test),
                                               COMPOSITE_SEPARATOR)
+  client_database.require_examples(database, 'CelebA',
+                                   dict(zip(_SPLITS, ('train', 'test'))))
   return train, test
 
 

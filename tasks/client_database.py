@@ -20,7 +20,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow_federated as tff
@@ -83,6 +83,76 @@ def require_readable_client_ids(database: str, client_data: Iterable,
             f'{database} has client id {client_id!r}, which holds {bad[0]!r}: '
             'TFF\'s reader cannot look it up; rename that client in the '
             'file\'s examples and client_metadata tables')
+
+
+def require_text_client_ids(database: str, splits: Sequence[str]) -> None:
+  """UsageError naming `database`, the split and the id if a client of
+  `splits` has an id that is not UTF-8 text (a blob, or text of other
+  bytes): TFF's loader failed on it with "'<' not supported between
+  instances of 'bytes' and 'str'" or SQLite's decoding error, naming no
+  client. A file SQLite cannot read is left to the loader's own error."""
+  try:
+    connection = sqlite3.connect(f'file:{database}?mode=ro', uri=True)
+    try:
+      connection.text_factory = bytes
+      rows = connection.execute(
+          'SELECT split_name, client_id, typeof(client_id) = \'blob\' FROM '
+          'client_metadata WHERE split_name IN '
+          f'({", ".join("?" * len(splits))})', tuple(splits)).fetchall()
+    finally:
+      connection.close()
+  except sqlite3.Error:
+    return
+  for split, client_id, is_blob in rows:
+    if is_blob:
+      shown = f"x'{client_id.hex()}' (a blob, not text)"
+    else:
+      try:
+        client_id.decode('utf-8')
+        continue
+      except UnicodeDecodeError:
+        shown = f'{client_id!r} (not UTF-8)'
+    raise UsageError(
+        f'{database} has client id {shown} in its '
+        f'{split.decode("utf-8", "replace")} split: TFF\'s reader takes only '
+        'UTF-8 text ids; rename that client in the file\'s examples and '
+        'client_metadata tables')
+
+
+# What a task does with a split's examples, by its role (`require_examples`).
+_USE_OF_SPLIT = {'train': 'train', 'test': 'evaluate'}
+
+
+def require_examples(database: str, dataset: str,
+                     splits: Mapping[str, str]) -> None:
+  """UsageError naming `database` and the split if a split the task reads
+  (`splits`: {its name in the file: 'train' or 'test'}) holds no example
+  of its clients (rows of `examples` for clients `client_metadata` lists):
+  TFF's loader reads such a file, and the run trained on nothing (a train
+  loss of 0) or logged no evaluation, with status 0."""
+  try:
+    connection = sqlite3.connect(f'file:{database}?mode=ro', uri=True)
+    try:
+      # Client by client, each looked up as TFF's reader does (by id and
+      # split, which the files index): the first client with a row ends
+      # it. An automatic index would read the whole examples table first.
+      connection.execute('PRAGMA automatic_index = OFF')
+      for split, role in splits.items():
+        (found,) = connection.execute(
+            'SELECT EXISTS (SELECT 1 FROM client_metadata AS m WHERE '
+            'm.split_name = ? AND EXISTS (SELECT 1 FROM examples AS e WHERE '
+            'e.client_id = m.client_id AND e.split_name = m.split_name))',
+            (split,)).fetchone()
+        if not found:
+          raise UsageError(
+              f'{database} holds no {role} examples (its {split} clients '
+              f'have no rows in its examples table): the run would '
+              f'{_USE_OF_SPLIT[role]} on nothing; it is cut short or not '
+              f'TFF\'s {dataset}')
+    finally:
+      connection.close()
+  except sqlite3.Error as e:
+    raise UsageError(f'cannot read {dataset} from {database}: {e}') from e
 
 
 def _stored_fingerprint(path: str) -> Optional[str]:

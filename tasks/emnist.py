@@ -41,6 +41,7 @@ NUM_PIXELS = 28 * 28
 SQLITE_NAME = 'emnist_all.sqlite'
 # Split names inside TFF's emnist_all.sqlite (see tff emnist.load_data).
 TRAIN_SPLIT = {True: 'digits_only_train', False: 'all_train'}
+TEST_SPLIT = {True: 'digits_only_test', False: 'all_test'}
 NUM_CLASSES = {True: 10, False: 62}
 MODELS = ('logistic', 'mlp')
 MLP_HIDDEN_UNITS = 200
@@ -196,11 +197,15 @@ def _load_real(config: base.DataConfig, only_digits: bool):
     raise UsageError(
         f'--cache_dir={cache_dir} has no {SQLITE_NAME} (TFF EMNIST); pass '
         '--download to fetch it, or --use_synthetic_data')
+  client_database.require_text_client_ids(
+      database, (TRAIN_SPLIT[only_digits], TEST_SPLIT[only_digits]))
   try:
     _, test = tff.simulation.datasets.emnist.load_data(
         only_digits=only_digits, cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
     raise load_error('EMNIST', database, e) from e
+  client_database.require_examples(database, 'EMNIST', {
+      TRAIN_SPLIT[only_digits]: 'train', TEST_SPLIT[only_digits]: 'test'})
   return (_SqliteSource(database, TRAIN_SPLIT[only_digits],
                         NUM_CLASSES[only_digits]), test, cache_dir)
 

@@ -2,9 +2,11 @@
 
 ML-1M `ratings.dat`: `UserID::MovieID::Rating::Timestamp` per line.
 ML-100K `u.data`: `user<TAB>item<TAB>rating<TAB>timestamp` per line.
-Both give integer user and movie ids (from 1) and Unix timestamps. Nothing is
-downloaded: the files must already be in the directory given by
-`--movielens_dir`.
+Both give integer user and movie ids (from 1), ratings of whole stars 1..5
+and Unix timestamps, and end every line with a newline: a last line without
+one is a file cut off mid-line (its last field may be cut short and still
+parse), refused like a line that does not parse. Nothing is downloaded: the
+files must already be in the directory given by `--movielens_dir`.
 """
 
 import os
@@ -21,6 +23,8 @@ RATINGS_FORMATS = {
     ML_1M_RATINGS: ('::', 'UserID::MovieID::Rating::Timestamp'),
     ML_100K_RATINGS: ('\t', 'user<TAB>item<TAB>rating<TAB>timestamp'),
 }
+# Both formats rate in whole stars.
+RATINGS_RANGE = (1, 5)
 # MovieLens 25M has 162541 users and 209171 movies; larger ids would size
 # the embedding tables (rows = largest id + 1) beyond any machine.
 MAX_ID = 10_000_000
@@ -38,6 +42,10 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
     for line_number, line in enumerate(f, 1):
       if not line.strip():
         continue
+      if not line.endswith('\n'):
+        raise UsageError(f'{path}:{line_number} is cut short: the file\'s '
+                         'last line has no newline (a write or copy cut off '
+                         'mid-line); restore the file')
       fields = line.rstrip('\r\n').split(separator)
       try:
         if len(fields) != 4:
@@ -47,6 +55,10 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
         if too_large:
           raise ValueError(f'{too_large[0].strip()} is beyond a 64-bit '
                            'integer')
+        low, high = RATINGS_RANGE
+        if not low <= row[2] <= high:
+          raise ValueError(f'rating {row[2]} is outside {low}..{high} (whole '
+                           'stars)')
         rows.append(row)
       except ValueError as e:
         raise UsageError(f'{path}:{line_number} is not in the {name} format '

@@ -199,14 +199,18 @@ def load_stackoverflow(config: base.DataConfig):
       raise UsageError(f'--cache_dir={cache_dir} has no {SQLITE_NAME} (TFF '
                        'StackOverflow); pass --download to fetch it, or '
                        '--use_synthetic_data')
+  database = os.path.join(cache_dir, SQLITE_NAME)
+  # The splits TFF's loader reads.
+  client_database.require_text_client_ids(database,
+                                          ('train', 'heldout', 'test'))
   try:
     train, _, test = tff.simulation.datasets.stackoverflow.load_data(
         cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
-    raise load_error('StackOverflow', os.path.join(cache_dir, SQLITE_NAME),
-                     e) from e
-  client_database.require_readable_client_ids(
-      os.path.join(cache_dir, SQLITE_NAME), (train, test))
+    raise load_error('StackOverflow', database, e) from e
+  client_database.require_readable_client_ids(database, (train, test))
+  client_database.require_examples(database, 'StackOverflow',
+                                   {'train': 'train', 'test': 'test'})
   return train, test
 
 

@@ -41,3 +41,19 @@ def write_celeba_sqlite(path, train_clients=6, test_clients=2,
             connection, split, client_id,
             [_example(rng, smiling) for smiling in smiles])
   return written
+
+
+def without_examples(path, split: str) -> None:
+  """Deletes the rows of `split` from the examples table of a file in
+  SqlClientData's schema (any task's), leaving its clients listed: a file
+  cut short, which TFF's loader reads."""
+  with sqlite3.connect(path) as connection:
+    connection.execute('DELETE FROM examples WHERE split_name = ?', (split,))
+
+
+def no_examples_message(path, dataset: str, role: str, split: str) -> str:
+  """What a task says of a file whose `split` has no examples."""
+  use = 'train' if role == 'train' else 'evaluate'
+  return (f'{path} holds no {role} examples (its {split} clients have no rows '
+          f'in its examples table): the run would {use} on nothing; it is cut '
+          f'short or not TFF\'s {dataset}')

@@ -63,6 +63,11 @@ def resume_base(*flags):
                     '--total_rounds=4', f'--root_output_dir={p.root}', *flags]
 
 
+def resume_fedres():
+  return lambda p: [*lib.FEDRES_FLAGS, '--experiment_name=fedres',
+                    '--total_rounds=3', f'--root_output_dir={p.root}']
+
+
 def of_base(*flags):
   return lambda p: ['--experiment_name=base', f'--root_output_dir={p.root}',
                     *[f(p) if callable(f) else f for f in flags]]
@@ -119,6 +124,23 @@ def damaged_events_message(p):
           f'{size - offset} bytes from there: not a cut-off last record, '
           'which is all a killed write leaves; move it out of the run\'s '
           'tensorboard directory to resume without its events')
+
+
+def renamed_metrics_column(p):
+  path = os.path.join(p.base, 'metrics.csv')
+  with open(path) as f:
+    header, rest = f.read().split('\n', 1)
+  with open(path, 'w') as f:
+    f.write(header.replace(',train/loss,', ',train/lozz,') + '\n' + rest)
+
+
+def not_a_state_file(relative):
+  """The message refusing `relative` in the FedRes run's store."""
+  return lambda p: (
+      f'{p.fedres}/client_states/{relative} is not a client-state file (the '
+      'store holds only <client id, base64url>.state files in round_<r> '
+      f'directories); move it out of {p.fedres}/client_states and re-run the '
+      'same command')
 
 
 def remove(relative):
@@ -578,6 +600,14 @@ CASES = [
     Case('metrics_empty', 'train', resume_base(),
          lambda p: f'{p.base}/metrics.csv is empty' + NOT_METRICS,
          setup=write('base/metrics.csv', '')),
+    # Accepted: the resumed rows put train/loss into a new last column.
+    Case('metrics_renamed_column', 'train', resume_base(),
+         lambda p: f'{p.base}/metrics.csv: its header does not name the '
+         'columns the run wrote (compared with the events in '
+         f'{p.base}/tensorboard): no column train/loss (logged for rounds '
+         '1-3); column train/lozz holds values the run did not log; restore '
+         'the header, or use a new --experiment_name',
+         setup=renamed_metrics_column),
     Case('metrics_a_directory', 'train', resume_base(),
          lambda p: f'{p.base}/metrics.csv is a directory' + NOT_METRICS,
          setup=replace_with_directory('base/metrics.csv')),
@@ -750,27 +780,21 @@ CASES = [
          lambda p: f'{p.base}/.lock: Read-only file system; {RECOVERY}',
          status=3, during=read_only_root),
     # Checked before the run directory is locked: the store comes first.
-    Case('read_only_resume_with_a_store', 'train',
-         lambda p: [*lib.FEDRES_FLAGS, '--experiment_name=fedres',
-                    '--total_rounds=3', f'--root_output_dir={p.root}'],
+    Case('read_only_resume_with_a_store', 'train', resume_fedres(),
          lambda p: f'{p.fedres}/client_states: Read-only file system; '
          f'{RECOVERY}', status=3, during=read_only_root),
     # A resume stopped at '<path>: Is a directory' / 'Not a directory'.
-    Case('directory_in_a_client_state_round', 'train',
-         lambda p: [*lib.FEDRES_FLAGS, '--experiment_name=fedres',
-                    '--total_rounds=3', f'--root_output_dir={p.root}'],
-         lambda p: f'{p.fedres}/client_states/round_2/mine is not a '
-         'client-state file (the store holds only files in round_<r> '
-         f'directories); move it out of {p.fedres}/client_states and re-run '
-         'the same command',
+    Case('directory_in_a_client_state_round', 'train', resume_fedres(),
+         not_a_state_file('round_2/mine'),
          setup=lambda p: os.makedirs(f'{p.fedres}/client_states/round_2/mine',
                                      exist_ok=True)),
-    Case('file_named_as_a_client_state_round', 'train',
-         lambda p: [*lib.FEDRES_FLAGS, '--experiment_name=fedres',
-                    '--total_rounds=3', f'--root_output_dir={p.root}'],
-         lambda p: f'{p.fedres}/client_states/round_9 is not a client-state '
-         'file (the store holds only files in round_<r> directories); move it '
-         f'out of {p.fedres}/client_states and re-run the same command',
+    # A resume deleted it with the round after the checkpoint.
+    Case('file_of_the_user_in_a_client_state_round', 'train', resume_fedres(),
+         not_a_state_file('round_3/notes.txt'),
+         setup=in_new_directory('fedres/client_states/round_3', 'notes.txt',
+                                'mine')),
+    Case('file_named_as_a_client_state_round', 'train', resume_fedres(),
+         not_a_state_file('round_9'),
          setup=write('fedres/client_states/round_9', 'mine')),
     # Both made an empty checkpoints/ (TFF's manager), export a .lock too.
     Case('evaluate_without_checkpoints', 'evaluate', of_base(),

@@ -126,6 +126,17 @@ def test_another_datasets_file_is_a_usage_error_that_says_so(tmp_path):
       "of the task's splits (another dataset's file?)")
 
 
+@pytest.mark.parametrize('role', ['train', 'test'])
+def test_a_split_without_examples_is_a_usage_error(tmp_path, role):
+  # Its clients listed, their rows gone: the run trained on nothing (a
+  # train loss of 0) or logged no evaluation, with status 0.
+  split = f'split_by_clients_{role}'
+  path, refusal = _refusal(
+      tmp_path, lambda path: celeba_fixture.without_examples(path, split))
+  assert refusal == celeba_fixture.no_examples_message(
+      path, 'CelebA', role, split)
+
+
 def _with_train_client(path, client_id):
   import sqlite3  # pylint: disable=g-import-not-at-top
   from tasks import client_database  # pylint: disable=g-import-not-at-top
@@ -137,6 +148,17 @@ def _with_train_client(path, client_id):
         [celeba_fixture._example(rng, smiling) for smiling in (0, 1)])  # pylint: disable=protected-access
 
 
+def _refusal(tmp_path, add_client):
+  """(the fixture's file with `add_client(path)` applied, the UsageError's
+  message of the task on it)."""
+  path = tmp_path / 'celeba.sqlite'
+  write_celeba_sqlite(path)
+  add_client(path)
+  with pytest.raises(UsageError) as raised:
+    celeba.build_task(_config(str(tmp_path), 'federated'))
+  return path, str(raised.value)
+
+
 @pytest.mark.parametrize('client_id, character', [
     # TFF's reader pastes the id into its SQL query: a worker's syntax error
     # traceback.
@@ -146,15 +168,38 @@ def _with_train_client(path, client_id):
 ])
 def test_client_ids_tff_cannot_look_up_are_usage_errors(tmp_path, client_id,
                                                         character):
-  path = tmp_path / 'celeba.sqlite'
-  write_celeba_sqlite(path)
-  _with_train_client(path, client_id)
-  with pytest.raises(UsageError) as raised:
-    celeba.build_task(_config(str(tmp_path), 'federated'))
-  assert str(raised.value) == (
+  path, refusal = _refusal(tmp_path, lambda path: _with_train_client(
+      path, client_id))
+  assert refusal == (
       f'{path} has client id {client_id!r}, which holds {character!r}: TFF\'s '
       'reader cannot look it up; rename that client in the file\'s examples '
       'and client_metadata tables')
+
+
+@pytest.mark.parametrize('stored, shown', [
+    # TFF's loader: "'<' not supported between instances of 'bytes' and
+    # 'str'".
+    ("x'fffe'", "x'fffe' (a blob, not text)"),
+    ("x'6869'", "x'6869' (a blob, not text)"),
+    # SQLite: "Could not decode to UTF-8 column 'client_id' with text '\ufffdA'".
+    ("CAST(x'ff41' AS TEXT)", "b'\\xffA' (not UTF-8)"),
+], ids=['blob', 'utf8_blob', 'not_utf8_text'])
+def test_a_client_id_that_is_not_text_is_named(tmp_path, stored, shown):
+  import sqlite3  # pylint: disable=g-import-not-at-top
+  example = celeba_fixture._example(np.random.default_rng(1), True)  # pylint: disable=protected-access
+
+  def add_client(path):
+    with sqlite3.connect(path) as connection:
+      connection.execute('INSERT INTO examples VALUES '
+                         f'(\'split_by_clients_test\', {stored}, ?)', (example,))
+      connection.execute(f'INSERT INTO client_metadata VALUES ({stored}, '
+                         '\'split_by_clients_test\', 1)')
+
+  path, refusal = _refusal(tmp_path, add_client)
+  assert refusal == (
+      f'{path} has client id {shown} in its split_by_clients_test split: '
+      'TFF\'s reader takes only UTF-8 text ids; rename that client in the '
+      'file\'s examples and client_metadata tables')
 
 
 def test_a_group_passes_non_ascii_client_ids_to_tff():

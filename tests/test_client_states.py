@@ -200,6 +200,31 @@ def test_recovery_removes_uncommitted_rounds_and_gc_keeps_checkpoints(
           [state_format.file_path('2', 3), path])
 
 
+def test_files_of_the_user_in_a_round_are_found_and_never_deleted(tmp_path):
+  """Both clean-ups deleted every file of a round directory they emptied,
+  and a resume found only directories there to refuse."""
+  state_format = _format(tmp_path)
+  for version in (1, 2, 3):
+    _write(state_format, '0', version)
+  mine = {f'round_{r}/{name}': name for r, name in (
+      (1, 'notes.txt'), (3, 'notes.txt'),
+      # Named like a state, but not a name the store gives one.
+      (1, 'MA==.state'), (3, 'not base64!.state'))}
+  for relative, name in mine.items():
+    (tmp_path / relative).write_text(name)
+  assert client_states.foreign_entries(str(tmp_path)) == sorted(
+      str(tmp_path / relative) for relative in mine)
+  # Round 3 after the checkpoint; round 1 named by no kept checkpoint.
+  assert client_states.recover(str(tmp_path), 2) == [3]
+  at_2 = client_states.StateIndex(('0',), np.array([2]))
+  assert client_states.collect_garbage(str(tmp_path), [at_2], 2) == 1
+  assert sorted(str(p.relative_to(tmp_path))
+                for p in tmp_path.glob('round_*/*')) == sorted(
+                    [*mine, f'round_2/{client_states.file_name("0")}'])
+  for relative, name in mine.items():
+    assert (tmp_path / relative).read_text() == name
+
+
 def test_a_replaced_state_goes_at_commit_unless_a_kept_checkpoint_names_it(
     tmp_path):
   state_format = _format(tmp_path)

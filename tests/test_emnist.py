@@ -215,6 +215,20 @@ def test_damaged_databases_are_usage_errors(tmp_path, parts, label_of,
   assert str(raised.value) == message.format(db=db)
 
 
+@pytest.mark.parametrize('role', ['train', 'test'])
+def test_a_split_without_examples_is_a_usage_error(tmp_path, role):
+  # The test split's clients without rows: no evaluation was logged, with
+  # status 0 (the train split's was refused, but not naming the file).
+  from tests import celeba_fixture  # pylint: disable=g-import-not-at-top
+  _write_emnist_sqlite(str(tmp_path))
+  path = tmp_path / 'emnist_all.sqlite'
+  celeba_fixture.without_examples(path, f'all_{role}')
+  with pytest.raises(UsageError) as raised:
+    emnist.build_task(_config(str(tmp_path)))
+  assert str(raised.value) == celeba_fixture.no_examples_message(
+      path, 'EMNIST', role, f'all_{role}')
+
+
 def _write_with_pixel(directory, split_name, value):
   """The fixture's EMNIST file with one pixel of `split_name` set to
   `value`."""

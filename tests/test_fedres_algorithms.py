@@ -20,6 +20,7 @@ from pipeline import driver
 from tasks import base
 from tff_algos.algorithms import registry
 from tff_algos.algorithms import round as round_lib
+from tff_algos.algorithms import settings as settings_lib
 from tff_algos.algorithms.fedres import definition as fedres
 from tff_algos.algorithms.fedres import evaluation as fedres_eval
 from tff_algos.runtime import client_states as client_states_lib
@@ -53,6 +54,17 @@ def _settings(name, option=1, local_learning_rate=LAMBDA):
         fedres_option=option, fedres_alpha=ALPHA)
   return fedres.FedResSettings(client_learning_rate=ETA,
                                local_learning_rate=local_learning_rate)
+
+
+def test_lambda_may_be_zero_unlike_the_other_learning_rates():
+  """lambda = 0 keeps theta_i at its start: FedResAvg-I/II are then FedAvg
+  and SCAFFOLD, experiments.fedres_logistic's baselines (docs/fedres.md)."""
+  assert _settings('fedres_avg', local_learning_rate=0.0)
+  for name in ('local_learning_rate', 'client_learning_rate',
+               'fedres_alpha'):
+    bad = -1.0 if name == 'local_learning_rate' else 0.0
+    with pytest.raises(settings_lib.SettingError, match=f'^{name} must be'):
+      dataclasses.replace(_settings('fedres_avg'), **{name: bad})
 
 
 @pytest.fixture(scope='module')

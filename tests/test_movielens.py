@@ -109,6 +109,27 @@ def test_bad_directories_and_files_are_usage_errors(tmp_path):
     build(str(tmp_path / 'beyond'))
 
 
+@pytest.mark.parametrize('content, problem', [
+    # Both read as ratings: a model of 1..5 stars trained on them.
+    ('1\t3\t7\t101\n', 'is not in the u.data format (user<TAB>item<TAB>'
+     'rating<TAB>timestamp): rating 7 is outside 1..5 (whole stars)'),
+    ('1\t3\t0\t101\n', 'is not in the u.data format (user<TAB>item<TAB>'
+     'rating<TAB>timestamp): rating 0 is outside 1..5 (whole stars)'),
+    # Cut off mid-line: the timestamp 881250949 read as 88.
+    ('1\t3\t4\t88', "is cut short: the file's last line has no newline (a "
+     'write or copy cut off mid-line); restore the file'),
+    ('1\t3\t4', "is cut short: the file's last line has no newline (a write "
+     'or copy cut off mid-line); restore the file'),
+], ids=['rating_above_5', 'rating_0', 'cut_in_a_field', 'cut_at_a_field'])
+def test_ratings_out_of_range_or_cut_short_are_refused_by_line(
+    tmp_path, content, problem):
+  path = tmp_path / 'u.data'
+  path.write_text('1\t2\t3\t100\n' + content, encoding='latin-1')
+  with pytest.raises(UsageError) as raised:
+    movielens_files.read_ratings(str(path))
+  assert str(raised.value) == f'{path}:2 {problem}'
+
+
 def test_users_of_one_rating_each_are_a_usage_error(tmp_path):
   # No example to train on or evaluate: the run trained on nothing (an
   # update of 0/0) and logged no evaluation, with status 0.

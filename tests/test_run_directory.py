@@ -246,13 +246,6 @@ def test_metrics_directory_is_refused(tmp_path):
     run_logs.read_metrics(str(tmp_path / 'metrics.csv'))
 
 
-def write_events(directory, steps):
-  writer = tf.summary.create_file_writer(str(directory))
-  with writer.as_default():
-    for step in steps:
-      tf.summary.scalar('train/loss', float(step), step=step)
-  writer.close()
-  time.sleep(1.1)  # Event file names hold the second they were made in.
 
 
 def scalar_steps(directory):
@@ -280,6 +273,78 @@ def test_tensorboard_steps_after_the_checkpoint_are_removed(tmp_path):
   assert not run_logs.read_events(path)[1]
   write_events(tmp_path, [4, 5, 6])
   assert scalar_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def write_logged(directory, scalars):
+  """Events as the driver's TensorBoard release writes them: {round: {name:
+  value}}."""
+  writer = tf.summary.create_file_writer(str(directory))
+  with writer.as_default():
+    for step, values in scalars.items():
+      for name, value in values.items():
+        tf.summary.scalar(name, value, step=step)
+  writer.close()
+  time.sleep(1.1)  # Event file names hold the second they were made in.
+
+
+# Rounds 1-3 as logged; round 2 evaluated.
+LOGGED = {r: {'train/loss': r / 10, 'round_seconds': 1.5,
+              **({'eval/loss': 0.25} if r == 2 else {})} for r in (1, 2, 3)}
+EVAL_HEADER = 'round_num,round_seconds,train/loss,eval/loss\n'
+EVAL_ROWS = '1,1.5,0.1,\n2,1.5,0.2,0.25\n3,1.5,0.3,\n'
+
+
+def test_columns_as_logged_resume(tmp_path):
+  """A column may be empty in rounds without evaluation, be added later,
+  stay in the header after its rows were dropped, and rounds whose events
+  were lost (or cut short) by a kill are not compared."""
+  write_run(tmp_path, metrics=EVAL_HEADER.replace('\n', ',eval/acc\n') +
+            EVAL_ROWS.replace('\n', ',\n') + '4,1.5,0.4,0.3,0.9\n')
+  write_logged(tmp_path / 'tensorboard',
+               {**LOGGED, 3: {'train/loss': 0.3}, 4: {'train/loss': 0.4}})
+  plan = run_directory.check_resume(str(tmp_path), 3, STORED)
+  run_directory.finish_resume(str(tmp_path), plan)
+  assert (tmp_path / 'metrics.csv').read_text() == (
+      EVAL_HEADER.replace('\n', ',eval/acc\n') +
+      EVAL_ROWS.replace('\n', ',\n'))
+
+
+@pytest.mark.parametrize('header, problem', [
+    # Renamed: the resumed rows would put train/loss into a new column.
+    ('round_num,round_seconds,train/lozz,eval/loss',
+     'no column train/loss (logged for rounds 1-3); column train/lozz holds '
+     'values the run did not log'),
+    ('round_num,round_seconds,train/loss,eval/l\u00f6ss',
+     'no column eval/loss (logged for round 2); column eval/l\u00f6ss holds '
+     'values the run did not log'),
+    # Swapped: every name is there, holding the other's values.
+    ('round_num,train/loss,round_seconds,eval/loss',
+     'column round_seconds holds 0.1 in the row of round 1, where the run '
+     'logged 1.5'),
+])
+def test_a_changed_column_name_is_refused(tmp_path, header, problem):
+  write_run(tmp_path, metrics=header + '\n' + EVAL_ROWS)
+  write_logged(tmp_path / 'tensorboard', LOGGED)
+  before = lib.tree_digest(str(tmp_path))
+  with pytest.raises(UsageError) as error:
+    run_directory.check_resume(str(tmp_path), 3, STORED)
+  assert str(error.value) == (
+      f'{tmp_path / "metrics.csv"}: its header does not name the columns the '
+      'run wrote (compared with the events in '
+      f'{tmp_path / "tensorboard"}): {problem}; restore the header, or use a '
+      'new --experiment_name')
+  assert lib.tree_digest(str(tmp_path)) == before
+
+
+def test_a_column_named_twice_is_refused(tmp_path):
+  path = tmp_path / 'metrics.csv'
+  path.write_text('round_num,train/loss,train/loss\n1,0.1,0.2\n')
+  with pytest.raises(UsageError, match='names the column train/loss twice'):
+    run_logs.trim_metrics(str(path), 1)
+
+
+def write_events(directory, steps):
+  write_logged(directory, {step: {'train/loss': float(step)} for step in steps})
 
 
 def events_file(directory, steps):

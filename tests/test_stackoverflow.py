@@ -279,6 +279,38 @@ def test_another_datasets_file_is_a_usage_error_that_says_so(tmp_path):
       "holds no clients of the task's splits (another dataset's file?)")
 
 
+@pytest.mark.parametrize('split', ['train', 'test'])
+def test_a_split_without_examples_is_a_usage_error(sources, tmp_path, split):
+  # Both tasks (this is their loader) trained on nothing, or logged no
+  # evaluation, with status 0.
+  import shutil  # pylint: disable=import-outside-toplevel
+  from tests import celeba_fixture  # pylint: disable=g-import-not-at-top
+  path = tmp_path / so_char.SQLITE_NAME
+  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', path)
+  celeba_fixture.without_examples(path, split)
+  with pytest.raises(UsageError) as raised:
+    so_char.load_stackoverflow(base.DataConfig(cache_dir=str(tmp_path)))
+  assert str(raised.value) == celeba_fixture.no_examples_message(
+      path, 'StackOverflow', split, split)
+
+
+def test_a_client_id_that_is_not_text_is_named(sources, tmp_path):
+  # TFF's loader: "'<' not supported between instances of 'bytes' and 'str'".
+  import shutil  # pylint: disable=import-outside-toplevel
+  import sqlite3  # pylint: disable=import-outside-toplevel
+  path = tmp_path / so_char.SQLITE_NAME
+  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', path)
+  with sqlite3.connect(path) as connection:
+    connection.execute('INSERT INTO client_metadata VALUES (?, ?, 1)',
+                       (b'\xff', 'heldout'))
+  with pytest.raises(UsageError) as raised:
+    so_char.load_stackoverflow(base.DataConfig(cache_dir=str(tmp_path)))
+  assert str(raised.value) == (
+      f"{path} has client id x'ff' (a blob, not text) in its heldout split: "
+      "TFF's reader takes only UTF-8 text ids; rename that client in the "
+      "file's examples and client_metadata tables")
+
+
 def test_word_task_with_an_empty_vocabulary_is_a_usage_error(sources,
                                                             tmp_path):
   # TFF's task builder raised a ValueError: a traceback.

@@ -35,6 +35,10 @@ with the server state. So:
   checkpoint names it (`delete_superseded`);
 - memory is O(train clients) for the index, whatever the number of clients
   ever sampled; states are only ever held one client at a time;
+- the store deletes only the state files it writes (and round directories
+  they leave empty): anything else in a round directory, such as a file of
+  the user's, is never deleted (`recover`, `collect_garbage` leave it, with
+  its directory) and a resume refuses it (`foreign_entries`);
 - a state whose values were altered in place (its size and header intact,
   which a resume checks for every file) fails its checksum when its client
   reads it: an error naming the file, not a client training on garbage.
@@ -49,7 +53,6 @@ import base64
 import logging
 import os
 import re
-import shutil
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -75,6 +78,12 @@ def file_name(client_id: str) -> str:
 def file_key(client_id: str, version: int) -> str:
   """What a state's checksum is keyed with: its path in the store."""
   return f'round_{version}/{file_name(client_id)}'
+
+
+def is_state_file_name(name: str) -> bool:
+  """Whether `name` is one the store gives a state file (`file_name`)."""
+  client_id = client_id_of(name)
+  return client_id is not None and file_name(client_id) == name
 
 
 def client_id_of(name: str) -> Optional[str]:
@@ -232,9 +241,15 @@ def _round_directories(directory: str) -> dict[int, str]:
   return found
 
 
+def _is_state_file(round_path: str, name: str) -> bool:
+  return is_state_file_name(name) and os.path.isfile(
+      os.path.join(round_path, name))
+
+
 def foreign_entries(directory: str) -> list[str]:
   """Paths in the store `directory` the store does not make: a round's name
-  that is not a directory, or an entry of a round that is not a file."""
+  that is not a directory, or an entry of a round that is not a state file
+  (`file_name`), such as a file of the user's."""
   foreign = []
   for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
     path = os.path.join(directory, name)
@@ -244,19 +259,31 @@ def foreign_entries(directory: str) -> list[str]:
       foreign.append(path)
       continue
     foreign.extend(os.path.join(path, entry) for entry in sorted(os.listdir(path))
-                   if not os.path.isfile(os.path.join(path, entry)))
+                   if not _is_state_file(path, entry))
   return foreign
 
 
-def recover(directory: str, committed_round: int) -> list[int]:
-  """Removes the files of rounds after `committed_round` (a killed run's).
+def _remove_round_if_empty(path: str) -> None:
+  """Removes the round directory `path` unless something is left in it
+  (what the store did not write, which it never deletes)."""
+  if not os.listdir(path):
+    os.rmdir(path)
 
-  Returns the rounds removed.
+
+def recover(directory: str, committed_round: int) -> list[int]:
+  """Removes the state files of rounds after `committed_round` (a killed
+  run's), and their directories once empty; anything else in them (not the
+  store's: `foreign_entries`) is left.
+
+  Returns the rounds whose files were removed.
   """
   removed = []
   for round_num, path in sorted(_round_directories(directory).items()):
     if round_num > committed_round:
-      shutil.rmtree(path)
+      for name in os.listdir(path):
+        if _is_state_file(path, name):
+          os.remove(os.path.join(path, name))
+      _remove_round_if_empty(path)
       removed.append(round_num)
   if removed:
     logging.warning('Removed client states of uncommitted rounds %s in %s',
@@ -288,7 +315,9 @@ def missing_files(state_format: StateFormat, index: StateIndex,
 
 def collect_garbage(directory: str, kept_indexes: Sequence[StateIndex],
                     up_to_round: int) -> int:
-  """Deletes state files no kept checkpoint names, of rounds <= up_to_round.
+  """Deletes state files no kept checkpoint names, of rounds <= up_to_round,
+  and round directories left empty; anything else in them (not the
+  store's: `foreign_entries`) is left, with its directory.
 
   Returns the number of files deleted. Rounds after `up_to_round` are not
   touched (they may belong to a round in progress).
@@ -304,11 +333,12 @@ def collect_garbage(directory: str, kept_indexes: Sequence[StateIndex],
       continue
     for name in os.listdir(path):
       i = position.get(name)
-      if i is None or not np.any(kept[:, i] == round_num):
-        os.remove(os.path.join(path, name))
-        deleted += 1
-    if not os.listdir(path):
-      os.rmdir(path)
+      if not _is_state_file(path, name) or (
+          i is not None and np.any(kept[:, i] == round_num)):
+        continue
+      os.remove(os.path.join(path, name))
+      deleted += 1
+    _remove_round_if_empty(path)
   return deleted
 
 

@@ -43,7 +43,9 @@ RESIDUAL_TASKS_HINT = 'fedres_toy, fedres_logistic, movielens_ratings'
 class FedResSettings:
   client_learning_rate: float = settings_lib.client_learning_rate()
   local_learning_rate: float = settings_lib.setting(
-      0.01, 'FedRes: lambda, the SGD learning rate of the local models.',
+      0.01, 'FedRes: lambda, the SGD learning rate of the local models (0 '
+      'keeps them at their zero start: FedResAvg option 1 is then FedAvg, '
+      'option 2 SCAFFOLD, the baselines of experiments.fedres_logistic).',
       bound=settings_lib.NON_NEGATIVE)
   fedres_fit_unseen: bool = settings_lib.setting(
       False, 'FedRes personalized eval: fit a never-sampled client\'s local '
