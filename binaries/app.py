@@ -291,9 +291,21 @@ def exit_without_finalizing(status: int) -> None:
   try:
     atexit._run_exitfuncs()  # pylint: disable=protected-access
   finally:
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush_what_is_still_open()
     os._exit(status)  # pylint: disable=protected-access
+
+
+def _flush_what_is_still_open() -> None:
+  """Flushes stdout and stderr, unless closed (`>&-`: None) or their reader
+  left (a broken pipe): there is nobody to tell then. Other faults (a full
+  disk) still raise."""
+  for stream in (sys.stdout, sys.stderr):
+    if stream is None:
+      continue
+    try:
+      stream.flush()
+    except BrokenPipeError:
+      pass
 
 
 _HELP_FLAGS = frozenset(
@@ -311,9 +323,24 @@ def run(main, allow_positional_args: bool = False) -> None:
   def fail(message: str, status: int):
     if os.environ.get(RUN_BY_EXPERIMENT_ENV):
       message = advice_for_experiments(message)
-    print(f'error: {message}', file=sys.stderr)
+    try:
+      print(f'error: {message}', file=sys.stderr)
+    except BrokenPipeError:  # stderr's reader left too.
+      pass
     tff_runtime.shutdown_workers()
     exit_without_finalizing(status)
+
+  def output_closed():
+    # `train ... | head`: the run stops as for a Ctrl-C (the driver
+    # checkpointed its newest finished round), the rest of its output to
+    # nowhere.
+    if sys.stdout is not None:
+      try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+      except (OSError, ValueError):
+        pass
+    fail(interrupts.message(interrupts.OUTPUT_CLOSED),
+         interrupts.EXIT_OUTPUT_CLOSED)
 
   def interrupted():
     # Ctrl-C is a way to stop, not a fault: no traceback. A run's writes
@@ -358,6 +385,8 @@ def run(main, allow_positional_args: bool = False) -> None:
         # SavedModel tracing), which reported it as its own error, such as
         # "SystemError: ... returned a result with an exception set".
         interrupted()
+      if any(isinstance(link, BrokenPipeError) for link in _chain(e)):
+        output_closed()
       message = environment_fault_message(e)
       if message is not None:
         fail(message, EXIT_ENVIRONMENT)
@@ -370,7 +399,10 @@ def run(main, allow_positional_args: bool = False) -> None:
     try:
       return flags.FLAGS(argv)
     except flags.Error as e:
-      print(f'error: {e}', file=sys.stderr)
+      # absl puts each bad flag on a line of its own: one line, all named.
+      print('error: ' + '; '.join(
+          line.strip() for line in str(e).splitlines() if line.strip()),
+            file=sys.stderr)
       sys.exit(EXIT_USAGE)
 
   status = 1

@@ -772,7 +772,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
           task, weights, os.path.join(run_dir, export_lib.EXPORT_DIR),
           personal_models_writer(definition, server_state,
                                  keeper and keeper.view()))
-  except KeyboardInterrupt:
+  except (KeyboardInterrupt, BrokenPipeError):
+    # A Ctrl-C, or the reader of the progress lines gone (`| head`).
     if completed is not None:
       _checkpoint_on_interrupt(checkpoints, keeper, *completed)
     raise

@@ -28,6 +28,9 @@ INTERRUPTED = ('interrupted; re-run the same command to go on (a training '
 INTERRUPTED_WITHOUT_RESUME = ('interrupted; what it had not finished was not '
                               'written: re-run the same command')
 EXIT_INTERRUPTED = 130
+# Its output closed (e.g. `train ... | head`): as a shell reports a SIGPIPE.
+OUTPUT_CLOSED = 'its output was closed (broken pipe)'
+EXIT_OUTPUT_CLOSED = 141
 # Programs that go on from a checkpoint when re-run.
 _RESUMING_PROGRAMS = ('binaries.train',)
 
@@ -91,12 +94,15 @@ def _main_program() -> str:
   return spec.name if spec else ''
 
 
-def message() -> str:
-  """The line (after "error: ") this program prints when interrupted."""
+def message(cause: str = 'interrupted') -> str:
+  """The line (after "error: ") this program prints when `cause` (e.g. a
+  Ctrl-C, its output closed) stopped it."""
   if _main_program().startswith(_APP_PACKAGES) and (
       _main_program() not in _RESUMING_PROGRAMS):
-    return INTERRUPTED_WITHOUT_RESUME
-  return INTERRUPTED
+    text = INTERRUPTED_WITHOUT_RESUME
+  else:
+    text = INTERRUPTED
+  return cause + text[len('interrupted'):]
 
 
 def _runs_as_app_program() -> bool:

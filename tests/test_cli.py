@@ -306,3 +306,26 @@ def test_a_library_module_run_as_a_program_is_one_error_line(module, programs):
       f'error: {module} is a library module, not a program (run one of: '
       f'{programs})'), result.stderr
   assert not result.stdout
+
+
+@pytest.mark.parametrize('closed', [1, 2])
+def test_a_closed_stdout_or_stderr_is_no_failure(closed):
+  # `train ... >&-`: the work was done, then the final flush of the missing
+  # stream (None) raised AttributeError, status 1.
+  result = subprocess.run(
+      [sys.executable, '-m', 'binaries.train', '--help'], cwd=REPO,
+      stdout=subprocess.DEVNULL if closed == 2 else None,
+      stderr=subprocess.DEVNULL if closed == 1 else subprocess.PIPE,
+      preexec_fn=lambda: os.close(closed), timeout=120, check=False)
+  assert result.returncode == 0, (result.stderr or b'')[-2000:]
+
+
+def test_every_bad_flag_is_named_on_one_line():
+  result = run_binary('binaries.train', '--task=digits', '--algorithm=fedavg',
+                      '--experiment_name=x', '--client_learning_rate=nan',
+                      '--server_learning_rate=inf')
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: '), lines
+  assert '--client_learning_rate=nan' in lines[0], lines
+  assert '--server_learning_rate=inf' in lines[0], lines

@@ -233,6 +233,37 @@ INTERRUPTED_LINE = ('error: interrupted; re-run the same command to go on '
                     '(a training run from its last checkpoint)')
 
 
+@pytest.mark.time_limit(300)
+def test_a_closed_output_pipe_stops_the_run_as_a_ctrl_c_does(tmp_path):
+  # `train ... | head -n 1`: tqdm's next line raised BrokenPipeError, a
+  # traceback with status 1, and the rounds after the last periodic
+  # checkpoint were lost.
+  process = subprocess.Popen(
+      lib.binary_command('binaries.train', *lib.DIGITS_FLAGS,
+                         '--total_rounds=100000', '--rounds_per_eval=1',
+                         '--rounds_per_checkpoint=100000',
+                         '--experiment_name=piped',
+                         f'--root_output_dir={tmp_path}'),
+      cwd=lib.REPO, env=lib.environment(), stdin=subprocess.DEVNULL,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    first = process.stdout.readline()
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=120)
+  finally:
+    process.kill()
+  assert first.startswith('round 1:'), first
+  assert process.returncode == 141, stderr[-3000:]
+  assert [l for l in stderr.splitlines() if not l.startswith('round ')] == [
+      'error: its output was closed (broken pipe); re-run the same command '
+      'to go on (a training run from its last checkpoint)'], stderr[-3000:]
+  run_dir = tmp_path / 'piped'
+  rows = len(run_logs.read_metrics(str(run_dir / 'metrics.csv')).rows)
+  checkpoints = sorted(int(name.split('_')[1]) for name in
+                       os.listdir(run_dir / 'checkpoints'))
+  assert rows >= 1 and checkpoints[-1] == rows, (rows, checkpoints)
+
+
 @pytest.mark.time_limit(600)
 def test_ctrl_c_while_importing_or_in_the_first_round_is_one_line(tmp_path):
   """Ctrl-C during the imports printed an import traceback (the handler came
