@@ -203,18 +203,24 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
   assert not os.listdir(temp)  # The stale temp dir went at the start.
 
 
+def start_endless_run(root, name, stdout):
+  """A digits run of rounds without end, each evaluated, checkpointed only
+  when stopped; its stderr piped."""
+  return subprocess.Popen(
+      lib.binary_command('binaries.train', *lib.DIGITS_FLAGS,
+                         '--total_rounds=100000', '--rounds_per_eval=1',
+                         '--rounds_per_checkpoint=100000',
+                         f'--experiment_name={name}',
+                         f'--root_output_dir={root}'),
+      cwd=lib.REPO, env=lib.environment(), stdin=subprocess.DEVNULL,
+      stdout=stdout, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.time_limit(300)
 def test_a_second_ctrl_c_during_the_clean_up_is_ignored(tmp_path):
   # As `timeout -s INT` sends it (to the process, then to its group): the
   # second one interrupted the clean-up with a traceback.
-  process = subprocess.Popen(
-      lib.binary_command('binaries.train', *lib.DIGITS_FLAGS,
-                         '--total_rounds=100000',
-                         '--rounds_per_checkpoint=100000',
-                         '--experiment_name=twice',
-                         f'--root_output_dir={tmp_path}'),
-      cwd=lib.REPO, env=lib.environment(), stdin=subprocess.DEVNULL,
-      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  process = start_endless_run(tmp_path, 'twice', stdout=subprocess.DEVNULL)
   try:
     wait_for_rows(tmp_path / 'twice', 2, process)
     process.send_signal(signal.SIGINT)
@@ -238,14 +244,7 @@ def test_a_closed_output_pipe_stops_the_run_as_a_ctrl_c_does(tmp_path):
   # `train ... | head -n 1`: tqdm's next line raised BrokenPipeError, a
   # traceback with status 1, and the rounds after the last periodic
   # checkpoint were lost.
-  process = subprocess.Popen(
-      lib.binary_command('binaries.train', *lib.DIGITS_FLAGS,
-                         '--total_rounds=100000', '--rounds_per_eval=1',
-                         '--rounds_per_checkpoint=100000',
-                         '--experiment_name=piped',
-                         f'--root_output_dir={tmp_path}'),
-      cwd=lib.REPO, env=lib.environment(), stdin=subprocess.DEVNULL,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  process = start_endless_run(tmp_path, 'piped', stdout=subprocess.PIPE)
   try:
     first = process.stdout.readline()
     process.stdout.close()
