@@ -613,7 +613,27 @@ def _run_plain_tf_bound() -> list[float]:
   return seconds
 
 
+def check_child_flags() -> None:
+  """UsageError for the internal flags of a measuring child (the parent
+  passes good ones; run by hand, a missing or bad one was a traceback)."""
+  from pipeline import run_directory  # pylint: disable=g-import-not-at-top
+  from tff_algos.algorithms import registry  # pylint: disable=g-import-not-at-top
+  mode = _CHILD.value
+  if _CHILD_CLIENTS.value is None or _CHILD_CLIENTS.value < 1:
+    raise UsageError(f'--child={mode} needs --child_clients >= 1, got '
+                     f'{_CHILD_CLIENTS.value}')
+  if _OUTPUT_DIR.value is None:
+    raise UsageError(f'--child={mode} needs --child_output_dir (the '
+                     'directory of its run)')
+  run_directory.check_output_root(_OUTPUT_DIR.value, _OUTPUT_DIR.name)
+  known = MODE_ALGORITHMS[mode] or (*registry.NAMES, FEDAVG_ON_MIXED_CLIENTS)
+  if _CHILD_ALGORITHM.value not in known:
+    raise UsageError(f'--child_algorithm={_CHILD_ALGORITHM.value!r} is unknown '
+                     f'to --child={mode}; allowed: {", ".join(known)}')
+
+
 def run_child() -> None:
+  check_child_flags()
   runner = {'tff': lambda: _run_driver('tff'),
             'native': lambda: _run_driver('native'),
             'naive': _run_naive_tff, 'bound': _run_plain_tf_bound,

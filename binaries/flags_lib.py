@@ -459,13 +459,31 @@ def check_runtime_flags() -> None:
                        '--runtime=tff')
 
 
+def _execution_settings() -> dict:
+  return dict(max_concurrent_computation_calls=(
+      FLAGS.max_concurrent_computation_calls), num_workers=FLAGS.num_workers,
+              worker_addresses=tff_runtime.parse_worker_addresses(
+                  FLAGS.worker_addresses), num_subrounds=FLAGS.num_subrounds)
+
+
+def check_execution_flags(clients_per_round: Optional[int]) -> None:
+  """UsageError for TFF execution flags no context can take, or that give a
+  worker no client of a round of `clients_per_round` (None: not known yet).
+  Builds nothing: each worker's context takes file descriptors, and a
+  hundred thousand of them ran out before this was checked."""
+  tff_runtime.check_execution_settings(**_execution_settings())
+  if clients_per_round is not None and (
+      1 <= clients_per_round < FLAGS.num_workers):
+    # Every worker is a process of its own, started even without a client.
+    raise UsageError(f'--num_workers={FLAGS.num_workers} is more than the '
+                     f'{clients_per_round} clients of a round '
+                     '(--clients_per_round); a worker beyond them gets none')
+
+
 def configure_execution() -> None:
   """The TFF execution context the flags ask for (README, Several TFF
   workers)."""
-  tff_runtime.configure_execution(
-      FLAGS.max_concurrent_computation_calls, num_workers=FLAGS.num_workers,
-      worker_addresses=tff_runtime.parse_worker_addresses(
-          FLAGS.worker_addresses), num_subrounds=FLAGS.num_subrounds)
+  tff_runtime.configure_execution(**_execution_settings())
 
 
 # Where a task's real data is; synthetic data reads none of them.

@@ -48,17 +48,19 @@ def main(argv):
   flags_lib.require_known_names()
   task_defaults = flags_lib.apply_task_defaults(FLAGS.task)
   flags_lib.check_runtime_flags()
-  if FLAGS.runtime == 'tff':  # The native runtime never starts TFF's.
-    flags_lib.configure_execution()
+  on_tff = FLAGS.runtime == 'tff'  # The native runtime never starts TFF's.
+  if on_tff:
+    # The task's own cohort is known once it is built.
+    flags_lib.check_execution_flags(FLAGS.clients_per_round if FLAGS[
+        'clients_per_round'].present else None)
   task = task_registry.build_task(FLAGS.task, flags_lib.data_config())
   flags_lib.apply_built_task_defaults(task)
   config = run_config()
   config.validate(task.num_train_clients)
-  if FLAGS.num_workers > config.clients_per_round:
-    # Every worker is a process of its own, started even without a client.
-    raise UsageError(f'--num_workers={FLAGS.num_workers} is more than the '
-                     f'{config.clients_per_round} clients of a round '
-                     '(--clients_per_round); a worker beyond them gets none')
+  if on_tff:
+    # Checked before any context is built: each takes file descriptors.
+    flags_lib.check_execution_flags(config.clients_per_round)
+    flags_lib.configure_execution()
   definition = flags_lib.build_algorithm(task)
   if FLAGS['client_state_dir'].present and not definition.has_client_state:
     raise UsageError(f'--client_state_dir does not apply to --algorithm='

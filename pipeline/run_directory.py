@@ -98,6 +98,20 @@ def enclosing_run_dir(path: str, own_run: str) -> Optional[str]:
 NAME_MAX_BYTES = 255
 
 
+def check_output_root(root: str, flag: str = 'root_output_dir') -> None:
+  """UsageError, naming `--<flag>`, unless `root` is a directory or can be
+  made one."""
+  if not root:
+    raise UsageError(f'--{flag} is empty; name the directory that holds the '
+                     'runs')
+  if os.path.exists(root) and not os.path.isdir(root):
+    raise UsageError(f'--{flag}={root} is a file, not a directory')
+  existing = nearest_existing_path(root)
+  if not os.path.isdir(existing):
+    raise UsageError(f'--{flag}={root} cannot be made: {existing} is a file, '
+                     'not a directory')
+
+
 def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   """`<root>/<name>`; UsageError if the name would leave the root."""
   name = experiment_name or ''
@@ -112,16 +126,7 @@ def run_dir_path(root_output_dir: str, experiment_name: str) -> str:
   if len(os.fsencode(name)) > NAME_MAX_BYTES:
     raise UsageError(f'--experiment_name is {len(os.fsencode(name))} bytes '
                      f'long; a file name has at most {NAME_MAX_BYTES}')
-  if not root_output_dir:
-    raise UsageError('--root_output_dir is empty; name the directory that '
-                     'holds the runs')
-  if os.path.exists(root_output_dir) and not os.path.isdir(root_output_dir):
-    raise UsageError(f'--root_output_dir={root_output_dir} is a file, not a '
-                     'directory')
-  existing = nearest_existing_path(root_output_dir)
-  if not os.path.isdir(existing):
-    raise UsageError(f'--root_output_dir={root_output_dir} cannot be made: '
-                     f'{existing} is a file, not a directory')
+  check_output_root(root_output_dir)
   path = os.path.join(root_output_dir, name)
   if os.path.islink(path) and not os.path.exists(path):
     # Making it failed with EEXIST: status 3, "use another

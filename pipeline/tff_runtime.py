@@ -22,6 +22,7 @@ when TFF is (this module is imported before TensorFlow, see below).
 
 import atexit
 import concurrent.futures
+import errno
 import gc
 import importlib.util
 import os
@@ -86,9 +87,15 @@ REMOTE_CONNECT_SECONDS = 10
 
 
 def _worker_children() -> list[psutil.Process]:
+  """The worker processes among this process's descendants.
+
+  psutil reads them from /proc: out of file descriptors (EMFILE, ENFILE)
+  that raises an OSError, and those it cannot read are left out. A local
+  worker this module started dies with this process all the same (its
+  parent-death signal)."""
   try:
     children = psutil.Process(os.getpid()).children(recursive=True)
-  except psutil.Error:
+  except (psutil.Error, OSError):
     return []
   workers = []
   for child in children:
@@ -96,7 +103,7 @@ def _worker_children() -> list[psutil.Process]:
       if _WORKER_NAME in child.name() or any(
           _WORKER_NAME in part for part in child.cmdline()[:1]):
         workers.append(child)
-    except psutil.Error:
+    except (psutil.Error, OSError):
       continue
   return workers
 
@@ -548,10 +555,60 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
   merge; this project's rounds return none, so each client's work runs
   once.) Computations without clients go to `server_context()`.
   """
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
   from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
   install_shutdown_hooks()
+  check_execution_settings(max_concurrent_computation_calls, num_workers,
+                           worker_addresses, num_subrounds)
+  _stop_context_workers()
+  global _partitions
+  mergeable = worker_addresses or num_workers > 1 or num_subrounds > 1
+  _partitions = (num_subrounds or len(worker_addresses) or num_workers
+                 if mergeable else 1)
+  if mergeable:
+    tff_internals.fix_mergeable_context()
+  try:
+    _set_contexts(max_concurrent_computation_calls, num_workers,
+                  worker_addresses, mergeable)
+  except OSError as error:
+    if error.errno not in (errno.EMFILE, errno.ENFILE):
+      raise
+    fault = _out_of_file_descriptors(error, num_workers, worker_addresses)
+  else:
+    gc.collect()  # The replaced context's (unstarted) service manager.
+    return
+  raise fault
+
+
+def _out_of_file_descriptors(error: OSError, num_workers: int,
+                             worker_addresses: tuple[str, ...]):
+  """The EnvironmentFault of contexts that ran out of file descriptors
+  (each worker's context holds an event loop's), once the half-built ones
+  are collected: their finalizers report attributes their failed
+  constructors never set, and their descriptors are what a shutdown needs to
+  list the worker processes."""
+  from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
+  hook = sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    error.__traceback__ = None
+    gc.collect()
+  finally:
+    sys.unraisablehook = hook
+  workers = (f'{len(worker_addresses)} worker addresses' if worker_addresses
+             else f'{num_workers} workers')
+  return EnvironmentFault(
+      f'cannot set up the TFF contexts of {workers}: {error.strerror} (each '
+      'worker takes file descriptors of its own); use fewer workers, or '
+      'raise the limit (ulimit -n)')
+
+
+def check_execution_settings(max_concurrent_computation_calls: int = -1,
+                             num_workers: int = 1,
+                             worker_addresses: tuple[str, ...] = (),
+                             num_subrounds: int = 0) -> None:
+  """UsageError for settings `configure_execution` cannot take; builds
+  nothing (a binary checks them before its slow steps)."""
+  from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
   if num_workers < 1:
     raise UsageError(f'--num_workers must be >= 1, got {num_workers}')
   if worker_addresses and num_workers != 1:
@@ -565,13 +622,14 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
                      'this process starts, and --worker_addresses starts '
                      'none: start each worker with `worker_binary '
                      '--max_concurrent_computation_calls=N` instead')
-  _stop_context_workers()
-  global _partitions, _server_context
-  mergeable = worker_addresses or num_workers > 1 or num_subrounds > 1
-  _partitions = (num_subrounds or len(worker_addresses) or num_workers
-                 if mergeable else 1)
-  if mergeable:
-    tff_internals.fix_mergeable_context()
+
+
+def _set_contexts(max_concurrent_computation_calls: int, num_workers: int,
+                  worker_addresses: tuple[str, ...], mergeable: bool) -> None:
+  """Installs the contexts `configure_execution` describes."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
+  global _server_context
   if worker_addresses:
     workers = [_remote_worker(a) for a in worker_addresses]
   else:
@@ -589,4 +647,3 @@ def configure_execution(max_concurrent_computation_calls: int = -1,
     tff.framework.set_default_context(
         _native_context(workers[0], asynchronous=False))
   _server_context = _native_context(workers[0], asynchronous=False)
-  gc.collect()  # The replaced context's (unstarted) service manager.

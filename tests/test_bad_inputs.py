@@ -745,6 +745,12 @@ CASES = [
     Case('more_workers_than_clients', 'train', train_new('--num_workers=6'),
          lambda p: '--num_workers=6 is more than the 5 clients of a round '
          '(--clients_per_round); a worker beyond them gets none'),
+    # Checked only after a context a worker was built: out of file
+    # descriptors, tracebacks (EMFILE) and status 1.
+    Case('far_more_workers_than_clients', 'train',
+         train_new('--num_workers=100000'),
+         lambda p: '--num_workers=100000 is more than the 5 clients of a '
+         'round (--clients_per_round); a worker beyond them gets none'),
     # The native runtime ignored them, impossible values too.
     Case('num_workers_with_the_native_runtime', 'train',
          train_new('--runtime=native', '--num_workers=0'),

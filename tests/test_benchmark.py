@@ -379,3 +379,35 @@ def test_binaries_benchmark_is_the_round_benchmark():
       "error: --sweep_algorithms: 'nope' is unknown; allowed: fedavg, "
       'fedprox, fedsgd, scaffold, fedpvr, mixed_pt, mixed_1wgt, mixed_2wgt, '
       'fedres_naive, fedres_sgd, fedres_avg']
+
+
+@pytest.mark.parametrize('flags, message', [
+    # A TypeError traceback (None * an int).
+    ([], '--child=native needs --child_clients >= 1, got None'),
+    (['--child_clients=0'], '--child=native needs --child_clients >= 1, got '
+     '0'),
+    (['--child_clients=5'], '--child=native needs --child_output_dir (the '
+     'directory of its run)'),
+    # A ValueError traceback from the algorithm registry.
+    (['--child_clients=5', '--child_output_dir={tmp}',
+      '--child_algorithm=bogus'],
+     "--child_algorithm='bogus' is unknown to --child=native; allowed: "
+     'fedavg, fedprox, fedsgd, scaffold, fedpvr, mixed_pt, mixed_1wgt, '
+     'mixed_2wgt, fedres_naive, fedres_sgd, fedres_avg, '
+     'fedavg_on_mixed_clients'),
+    (['--child_clients=5', '--child_output_dir={tmp}',
+      '--child_algorithm=scaffold'],
+     "--child_algorithm='scaffold' is unknown to --child=naive; allowed: "
+     'fedavg'),
+    # Named --root_output_dir, which the benchmark has not.
+    (['--child_clients=5', '--child_output_dir={tmp}/file'],
+     '--child_output_dir={tmp}/file is a file, not a directory'),
+])
+def test_a_measuring_childs_bad_flags_are_one_clear_error(rounds, tmp_path,
+                                                           flags, message):
+  (tmp_path / 'file').write_text('not a directory')
+  mode = 'naive' if '--child=naive' in message else 'native'
+  result = rounds('--quick', f'--child={mode}',
+                  *[f.format(tmp=tmp_path) for f in flags])
+  assert (result.returncode, result.stderr) == (
+      2, f'error: {message.format(tmp=tmp_path)}\n')

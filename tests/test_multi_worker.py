@@ -10,6 +10,7 @@ FL's central update once per round, not once per sub-round.
 
 import collections
 import dataclasses
+import errno
 import os
 import subprocess
 import time
@@ -446,6 +447,36 @@ def test_bad_worker_counts_are_usage_errors():
   # Remote workers' caps are their own: the flag was ignored.
   with pytest.raises(UsageError, match='starts none'):
     tff_runtime.configure_execution(4, worker_addresses=('localhost:1',))
+
+
+def test_running_out_of_file_descriptors_is_an_environment_fault(
+    monkeypatch):
+  # Each worker's context holds an event loop's descriptors: at
+  # --num_workers=100000 the OSError (EMFILE) was a traceback, and so was
+  # the shutdown's listing of the workers after it.
+  def out_of_descriptors(context):
+    del context
+    raise OSError(errno.EMFILE, 'Too many open files')
+
+  monkeypatch.setattr(tff_internals, 'threaded_async_context',
+                      out_of_descriptors)
+  with pytest.raises(EnvironmentFault, match=(
+      r'^cannot set up the TFF contexts of 2 workers: Too many open files '
+      r'\(each worker takes file descriptors of its own\); use fewer '
+      r'workers, or raise the limit \(ulimit -n\)$')) as raised:
+    tff_runtime.configure_execution(num_workers=2)
+  assert raised.value.__context__ is None  # No traceback of its OSError.
+  monkeypatch.undo()
+  tff_runtime.configure_execution()
+
+
+def test_worker_listing_out_of_file_descriptors_is_empty(monkeypatch):
+  def out_of_descriptors(*args, **kwargs):
+    raise OSError(errno.EMFILE, 'Too many open files', '/proc/1/stat')
+
+  monkeypatch.setattr(psutil, 'Process', out_of_descriptors)
+  assert tff_runtime._worker_children() == []  # pylint: disable=protected-access
+  tff_runtime.shutdown_workers()
 
 
 def test_replacing_the_context_does_not_wait_on_an_unresponsive_worker():
