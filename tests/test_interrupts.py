@@ -101,6 +101,18 @@ def test_only_a_training_program_speaks_of_going_on(monkeypatch, program,
   assert 'go on' not in interrupts.INTERRUPTED_WITHOUT_RESUME
 
 
+def test_a_ctrl_c_while_the_package_imports_names_the_program(monkeypatch):
+  # `python -m binaries.export` imports `binaries` (which installs the
+  # handler of a Ctrl-C while starting) before __main__ is the module: its
+  # line spoke of going on.
+  monkeypatch.setitem(sys.modules, '__main__', type(sys)('__main__'))
+  monkeypatch.setattr(sys, 'argv', ['-m', '--experiment_name=run'])
+  monkeypatch.setattr(sys, 'orig_argv', [
+      'python', '-X', 'utf8', '-m', 'binaries.export',
+      '--experiment_name=run'])
+  assert interrupts.message() == interrupts.INTERRUPTED_WITHOUT_RESUME
+
+
 @pytest.mark.parametrize('script', [
     # A KeyboardInterrupt raised inside a C extension's Python callback
     # (e.g. SavedModel tracing in export) surfaced as a SystemError chained
