@@ -321,6 +321,9 @@ def run(main, allow_positional_args: bool = False) -> None:
   sys.unraisablehook = _unraisable_unless_interrupt
 
   def fail(message: str, status: int):
+    # Said once: a Ctrl-C now would cut the workers' shutdown short with a
+    # second line.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.environ.get(RUN_BY_EXPERIMENT_ENV):
       message = advice_for_experiments(message)
     try:
@@ -348,7 +351,6 @@ def run(main, allow_positional_args: bool = False) -> None:
     # What it cut short (e.g. an event loop of a checkpoint write, half
     # made, and its coroutine) is reported by Python at collection as
     # "Exception ignored ..." and "never awaited"; nothing to act on.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.unraisablehook = lambda unraisable: None
     warnings.simplefilter('ignore')
     fail(interrupts.message(), EXIT_INTERRUPTED)
@@ -408,6 +410,9 @@ def run(main, allow_positional_args: bool = False) -> None:
   status = 1
   try:
     app.run(guarded_main, flags_parser=parse_flags)
+  except KeyboardInterrupt:
+    # Outside guarded_main: while absl parses and validates the flags.
+    interrupted()
   except SystemExit as e:
     if isinstance(e.code, str):
       print(e.code, file=sys.stderr)

@@ -10,11 +10,13 @@ skipped.
 """
 
 import csv
+import io
 import os
 
 from absl import flags
 
 from binaries import app
+from pipeline import run_logs
 from pipeline.errors import ENVIRONMENT_ERRNOS
 from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
@@ -94,8 +96,12 @@ def plot(run_dirs: list[str], metric: str, output: str,
   except (FileExistsError, NotADirectoryError) as e:
     raise UsageError(f'--output={output} cannot be written: {e.filename} '
                      'is a file, not a directory') from e
+  # Rendered whole before the file is written (savefig writes as it
+  # renders): a Ctrl-C or a full disk keeps the image it would replace.
+  image = io.BytesIO()
+  figure.savefig(image, format='png', dpi=100)
   try:
-    figure.savefig(output, dpi=100)
+    run_logs.replace_file(output, image.getvalue())
   except OSError as e:
     if e.errno in ENVIRONMENT_ERRNOS:
       raise  # binaries.app names these faults with the path.

@@ -90,8 +90,16 @@ _APP_PACKAGES = ('binaries.', 'benchmarks.')
 
 
 def _main_program() -> str:
+  """The module `python -m` runs, else ''."""
   spec = getattr(sys.modules.get('__main__'), '__spec__', None)
-  return spec.name if spec else ''
+  if spec:
+    return spec.name
+  # While `python -m binaries.x` imports its package, __main__ is not yet
+  # the module: the command line names it.
+  argv = getattr(sys, 'orig_argv', [])
+  if sys.argv[:1] == ['-m'] and '-m' in argv[:-1]:
+    return argv[argv.index('-m') + 1]
+  return ''
 
 
 def message(cause: str = 'interrupted') -> str:

@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import os
 import struct
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 from pipeline.errors import UsageError
 
@@ -124,13 +124,15 @@ def comparable_rows(path: str) -> list[dict[str, str]]:
   return rows
 
 
-def replace_file(path: str, text: str) -> None:
-  """Writes `text` to `path` whole or not at all: a failed write (a full
-  disk, a kill) leaves the file as it was, and no staging file."""
+def replace_file(path: str, content: Union[str, bytes]) -> None:
+  """Writes `content` (text, or bytes) to `path` whole or not at all: a
+  failed write (a full disk, a kill, a Ctrl-C) leaves the file as it was,
+  and no staging file."""
   staging = path + '.staging'
   try:
-    with open(staging, 'w', encoding='utf-8', newline='') as f:
-      f.write(text)
+    with (open(staging, 'wb') if isinstance(content, bytes) else
+          open(staging, 'w', encoding='utf-8', newline='')) as f:
+      f.write(content)
       f.flush()
       os.fsync(f.fileno())
     os.replace(staging, path)

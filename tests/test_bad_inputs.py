@@ -249,6 +249,30 @@ def read_only_root(p):
   return lib.read_only(p.root)
 
 
+# The port of the gRPC server `another_grpc_server` runs (set while it runs).
+_OTHER_SERVER = {}
+
+
+@contextlib.contextmanager
+def another_grpc_server(p):
+  """A gRPC server with no service (not TFF's executor service) on a free
+  loopback port, for the case's command (`other_server_address`)."""
+  del p
+  import grpc  # pylint: disable=g-import-not-at-top
+  server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+  _OTHER_SERVER['port'] = server.add_insecure_port('localhost:0')
+  server.start()
+  try:
+    yield
+  finally:
+    server.stop(None)
+
+
+def other_server_address(p=None):
+  del p
+  return f'localhost:{_OTHER_SERVER["port"]}'
+
+
 CASES = [
     Case('seed_negative', 'train', train_new('--seed=-1'),
          lambda p: 'flag --seed=-1: -1 is not an integer in the range '
@@ -741,6 +765,23 @@ CASES = [
          lambda p: '--worker_addresses: no TFF worker answers at localhost:1 '
          'within 10 s (start one there with `worker_binary --port=PORT`)',
          status=3),
+    # It accepts the connection: the round's first call then failed with
+    # UNIMPLEMENTED and a traceback (status 1).
+    Case('worker_address_of_another_grpc_server', 'train',
+         train_new(lambda p: f'--worker_addresses={other_server_address()}'),
+         lambda p: f'--worker_addresses: the server at '
+         f'{other_server_address()} is not a TFF worker (it does not know '
+         'TFF\'s executor service); start one there with `worker_binary '
+         '--port=PORT`', status=3, during=another_grpc_server),
+    # Both were called "not host:port".
+    Case('worker_address_port_beyond_65535', 'train',
+         train_new('--worker_addresses=localhost:70000'),
+         lambda p: "--worker_addresses: the port of 'localhost:70000' is out "
+         'of range (1-65535)'),
+    Case('worker_address_port_0', 'train',
+         train_new('--worker_addresses=localhost:8000,localhost:0'),
+         lambda p: "--worker_addresses: the port of 'localhost:0' is out of "
+         'range (1-65535)'),
     # Each started a worker process: 20 for a round of 5 clients.
     Case('more_workers_than_clients', 'train', train_new('--num_workers=6'),
          lambda p: '--num_workers=6 is more than the 5 clients of a round '

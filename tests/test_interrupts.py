@@ -101,25 +101,75 @@ def test_only_a_training_program_speaks_of_going_on(monkeypatch, program,
   assert 'go on' not in interrupts.INTERRUPTED_WITHOUT_RESUME
 
 
-def test_a_ctrl_c_another_error_reports_is_still_one_line(tmp_path):
-  # A KeyboardInterrupt raised inside a C extension's Python callback (e.g.
-  # SavedModel tracing in export) surfaced as a SystemError chained to it:
-  # a traceback, about 1 in 15 Ctrl-Cs of an export.
-  import subprocess  # pylint: disable=g-import-not-at-top
-  script = tmp_path / 'wrapped.py'
-  script.write_text(
-      'from binaries import app\n'
-      'def main(argv):\n'
-      '  try:\n'
-      '    raise KeyboardInterrupt\n'
-      '  except KeyboardInterrupt:\n'
-      '    raise SystemError("<built-in function trace> returned a result '
-      'with an exception set")\n'
-      'app.run(main)\n')
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run([sys.executable, str(script)], cwd=repo,
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=repo))
+def test_a_ctrl_c_while_the_package_imports_names_the_program(monkeypatch):
+  # `python -m binaries.export` imports `binaries` (which installs the
+  # handler of a Ctrl-C while starting) before __main__ is the module: its
+  # line spoke of going on.
+  monkeypatch.setitem(sys.modules, '__main__', type(sys)('__main__'))
+  monkeypatch.setattr(sys, 'argv', ['-m', '--experiment_name=run'])
+  monkeypatch.setattr(sys, 'orig_argv', [
+      'python', '-X', 'utf8', '-m', 'binaries.export',
+      '--experiment_name=run'])
+  assert interrupts.message() == interrupts.INTERRUPTED_WITHOUT_RESUME
+
+
+@pytest.mark.parametrize('script', [
+    # A KeyboardInterrupt raised inside a C extension's Python callback
+    # (e.g. SavedModel tracing in export) surfaced as a SystemError chained
+    # to it: a traceback, about 1 in 15 Ctrl-Cs of an export.
+    ('from absl import flags\n'
+     'from binaries import app\n'
+     'flags.DEFINE_integer("x", 0, "x")\n'
+     'def main(argv):\n'
+     '  try:\n'
+     '    raise KeyboardInterrupt\n'
+     '  except KeyboardInterrupt:\n'
+     '    raise SystemError("<built-in function trace> returned a result '
+     'with an exception set")\n'
+     'app.run(main)\n'),
+    # absl parses and validates the flags before the binary's main, outside
+    # its handler: a traceback.
+    ('from absl import flags\n'
+     'from binaries import app\n'
+     'flags.DEFINE_integer("x", 0, "x")\n'
+     'def interrupted(value):\n'
+     '  raise KeyboardInterrupt\n'
+     'flags.register_validator("x", interrupted)\n'
+     'app.run(print)\n'),
+], ids=['reported_by_another_error', 'while_the_flags_are_parsed'])
+def test_a_ctrl_c_is_one_line(tmp_path, script):
+  result = _run_script(tmp_path, script)
   assert result.returncode == 130, result.stderr[-3000:]
   assert result.stderr.splitlines() == [
       f'error: {interrupts.INTERRUPTED}'], result.stderr[-3000:]
+
+
+def test_a_ctrl_c_after_the_error_line_adds_nothing(tmp_path):
+  # It cut the workers' shutdown short: a second line (or a traceback), and
+  # status 130 for a run that had failed on its input.
+  result = _run_script(
+      tmp_path,
+      'import os, signal\n'
+      'from absl import flags\n'
+      'from binaries import app\n'
+      'from pipeline import tff_runtime\n'
+      'from pipeline.errors import UsageError\n'
+      'flags.DEFINE_integer("x", 0, "x")\n'
+      'tff_runtime.shutdown_workers = lambda: os.kill(os.getpid(), '
+      'signal.SIGINT)\n'
+      'def main(argv):\n'
+      '  raise UsageError("bad input")\n'
+      'app.run(main)\n')
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.splitlines() == ['error: bad input'], result.stderr
+
+
+def _run_script(tmp_path, text):
+  """`text` (which calls binaries.app.run) run with --x=1 as a process of
+  its own."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'script.py').write_text(text)
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run([sys.executable, str(tmp_path / 'script.py'),
+                         '--x=1'], cwd=repo, capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, PYTHONPATH=repo))

@@ -2,6 +2,8 @@
 
 import csv
 import os
+import subprocess
+import sys
 
 import pytest
 from absl import flags
@@ -147,6 +149,40 @@ def test_plot_output_where_nothing_can_be_written_is_an_environment_fault(
   assert (result.returncode, result.stderr) == (
       3, 'error: --output=/proc/x.png cannot be written (No such file or '
       'directory); use another --output\n')
+
+
+def test_plot_cut_short_keeps_the_image_it_would_replace(tmp_path):
+  # savefig wrote the --output file as it rendered: a Ctrl-C (or a full
+  # disk) meanwhile left a cut-off PNG where the last plot was.
+  _write_run(tmp_path / 'a', [0.5])
+  output = tmp_path / 'auc.png'
+  output.write_bytes(b'the last plot')
+  script = tmp_path / 'interrupted_plot.py'
+  script.write_text(
+      'import runpy, sys\n'
+      'from matplotlib import figure\n'
+      'def savefig(self, target, **kwargs):\n'
+      '  if isinstance(target, str):\n'
+      '    target = open(target, "wb")\n'
+      '  target.write(b"\\x89PNG cut")\n'
+      '  target.flush()\n'
+      '  raise KeyboardInterrupt\n'
+      'figure.Figure.savefig = savefig\n'
+      f'sys.argv = ["plot", {str(tmp_path / "a")!r}, "--metric=eval/auc", '
+      f'"--output={output}"]\n'
+      'runpy.run_module("binaries.plot", run_name="__main__", '
+      'alter_sys=True)\n')
+  result = subprocess.run(
+      [sys.executable, str(script)], cwd=fault_testlib.REPO,
+      env=fault_testlib.environment(),
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode == 130, result.stderr[-3000:]
+  assert result.stderr.splitlines() == [
+      'error: interrupted; what it had not finished was not written: re-run '
+      'the same command'], result.stderr[-3000:]
+  assert output.read_bytes() == b'the last plot'
+  assert sorted(os.listdir(tmp_path)) == ['a', 'auc.png',
+                                          'interrupted_plot.py']
 
 
 def test_train_explains_that_pt_needs_k(train_binary, tmp_path):
