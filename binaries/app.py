@@ -195,6 +195,7 @@ _LABEL_OUT_OF_RANGE = re.compile(
 # (`tf.debugging.check_numerics`'s message: ours, then what it found).
 _NON_FINITE_DATA = re.compile(
     r'(EMNIST pixels that are not finite) : Tensor had (NaN|Inf) values')
+_DATA_OUT_OF_RANGE = re.compile(r'EMNIST pixels outside \[0, 1\]')
 
 
 # How a client's state file whose values do not match its checksum is
@@ -228,6 +229,8 @@ _BAD_DATA = (
      'dataset again (--data_dir)'),
     (_NON_FINITE_DATA, lambda m: f'the task\'s data files hold {m.group(1)} '
      f'({m.group(2)}): {_NOT_THIS_TASKS}'),
+    (_DATA_OUT_OF_RANGE, lambda m: f'the task\'s data files hold {m.group(0)}'
+     f': {_NOT_THIS_TASKS}'),
     (_LABEL_OUT_OF_RANGE, lambda m: 'the task\'s data files hold a label the '
      f'model has no class for ({m.group(0)}): {_NOT_THIS_TASKS}'),
 )

@@ -59,6 +59,9 @@ SYNTHETIC_TEST_EXAMPLES = 400
 # The message of the check on parsed pixels (binaries.app turns it into one
 # line).
 NON_FINITE_PIXELS = 'EMNIST pixels that are not finite'
+# TFF's EMNIST pixels are in [0, 1]; a finite value far outside (1e38)
+# trained to an infinite loss with exit 0.
+PIXELS_OUT_OF_RANGE = 'EMNIST pixels outside [0, 1]'
 
 
 def _parse_examples(serialized: tf.Tensor) -> collections.OrderedDict:
@@ -67,17 +70,20 @@ def _parse_examples(serialized: tf.Tensor) -> collections.OrderedDict:
       'pixels': tf.io.FixedLenFeature(IMAGE_SHAPE, tf.float32),
       'label': tf.io.FixedLenFeature([], tf.int64),
   })
-  return _with_finite_pixels(collections.OrderedDict(
+  return _with_valid_pixels(collections.OrderedDict(
       label=tf.cast(features['label'], tf.int32), pixels=features['pixels']))
 
 
-def _with_finite_pixels(example):
+def _with_valid_pixels(example):
   # A NaN or infinite pixel (a damaged file) would train silently: every
   # client it reaches is dropped as non-finite, and the metrics are NaN (in
   # the test split: evaluation reported NaN and exited 0).
-  return collections.OrderedDict(
-      example, pixels=tf.debugging.check_numerics(example['pixels'],
-                                                  NON_FINITE_PIXELS))
+  pixels = tf.debugging.check_numerics(example['pixels'], NON_FINITE_PIXELS)
+  in_range = tf.debugging.Assert(
+      tf.logical_and(tf.reduce_min(pixels) >= 0.0,
+                     tf.reduce_max(pixels) <= 1.0), [PIXELS_OUT_OF_RANGE])
+  with tf.control_dependencies([in_range]):
+    return collections.OrderedDict(example, pixels=tf.identity(pixels))
 
 
 def _serialize(label: int, pixels: np.ndarray) -> bytes:
@@ -267,7 +273,7 @@ def build_task(config: base.DataConfig) -> base.Task:
     return base.client_batches(examples, config, seed).map(_to_batch)
 
   def eval_datasets():
-    return {'': test_examples().map(_with_finite_pixels).batch(
+    return {'': test_examples().map(_with_valid_pixels).batch(
         config.eval_batch_size).map(_to_batch)}
 
   def probabilities(logits):

@@ -52,7 +52,7 @@ def _write_emnist_sqlite(directory: str, parts=('train', 'test'),
         examples = []
         for _ in range(size):
           pixels = rng.uniform(size=(28, 28)).astype(np.float32)
-          pixels[0, 0] = counter
+          pixels[0, 0] = counter * 2.0**-20  # A tag in [0, 1): exact.
           counter += 1
           examples.append((label_of(counter - 1,
                                     int(rng.integers(0, num_classes))), pixels))
@@ -264,6 +264,24 @@ def test_a_pixel_that_is_not_finite_is_bad_data(tmp_path, value, found):
       "the task's data files hold EMNIST pixels that are not finite "
       f'({found}): they are damaged or not the files of this task '
       '(--cache_dir, --data_dir)')
+
+
+@pytest.mark.parametrize('value', [1e38, -0.5, 1.5])
+def test_a_pixel_outside_0_1_is_bad_data(tmp_path, value):
+  # 1e38 is finite: it trained to an infinite loss, exit 0.
+  from binaries import app  # pylint: disable=import-outside-toplevel
+  _write_with_pixel(tmp_path, 'all_train', value)
+  task = emnist.build_task(_config(str(tmp_path), similarity=100.0))
+  errors = []
+  for client_id in task.train_client_ids:
+    try:
+      list(task.client_dataset_computation(client_id, 1))
+    except tf.errors.InvalidArgumentError as error:
+      errors.append(error)
+  assert len(errors) == 1, errors
+  assert app.bad_data_message(errors[0]) == (
+      "the task's data files hold EMNIST pixels outside [0, 1]: they are "
+      'damaged or not the files of this task (--cache_dir, --data_dir)')
 
 
 @pytest.mark.parametrize('value', [np.nan, np.inf])
