@@ -514,12 +514,10 @@ def _check_is_tff_worker(channel, address: str) -> None:
   round with UNIMPLEMENTED. Disposing of no executor is a no-op for a TFF
   worker (it answers OK) and unknown to any other service."""
   import grpc  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.proto.v0 import executor_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.proto.v0 import executor_pb2_grpc  # pylint: disable=g-import-not-at-top
   from pipeline.errors import EnvironmentFault  # pylint: disable=g-import-not-at-top
+  from tff_algos import tff_internals  # pylint: disable=g-import-not-at-top
   try:
-    executor_pb2_grpc.ExecutorGroupStub(channel).DisposeExecutor(
-        executor_pb2.DisposeExecutorRequest(), timeout=REMOTE_CONNECT_SECONDS)
+    tff_internals.dispose_no_executor(channel, REMOTE_CONNECT_SECONDS)
   except grpc.RpcError as error:
     code = error.code() if isinstance(error, grpc.Call) else None
     channel.close()

@@ -206,6 +206,16 @@ def compile_to_native(computation, transform_tensorflow):
 GRPC_CHANNEL_OPTIONS = executor_factory._GRPC_CHANNEL_OPTIONS
 
 
+def dispose_no_executor(channel, timeout: float) -> None:
+  """Asks the server on `channel` to dispose of no executor: a no-op a TFF
+  worker answers OK, and a call any other gRPC service refuses
+  (UNIMPLEMENTED). Raises grpc.RpcError as the call does."""
+  from tensorflow_federated.proto.v0 import executor_pb2
+  from tensorflow_federated.proto.v0 import executor_pb2_grpc
+  executor_pb2_grpc.ExecutorGroupStub(channel).DisposeExecutor(
+      executor_pb2.DisposeExecutorRequest(), timeout=timeout)
+
+
 def native_context(context_class, executor_fn, compiler_fn):
   """A `context_class` context built as TFF builds its native contexts (its
   argument transforms), compiled with `compiler_fn`."""
