@@ -691,7 +691,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
         os.path.join(run_dir, 'metrics.csv'), key_fieldname='round_num')
   # TensorBoard's makes a new events file per run when built: built with the
   # first row, so that a run which fails before one leaves no empty file.
-  tensorboard = []
+  tensorboard = None
   evaluator = None
   client_ids = np.asarray(task.train_client_ids, dtype=object)
   group_size = cohort.clients_per_group(
@@ -749,10 +749,10 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
         row['eval_seconds'] = time.perf_counter() - eval_started
       with interrupts.deferred():  # A Ctrl-C meanwhile finds the row done.
         interrupts.run_coroutine(csv_metrics.release(row, round_num))
-        if not tensorboard:
-          tensorboard.append(tff.program.TensorBoardReleaseManager(
-              os.path.join(run_dir, 'tensorboard')))
-        interrupts.run_coroutine(tensorboard[0].release(row, round_num))
+        if tensorboard is None:
+          tensorboard = tff.program.TensorBoardReleaseManager(
+              os.path.join(run_dir, 'tensorboard'))
+        interrupts.run_coroutine(tensorboard.release(row, round_num))
         completed = (round_num, server_state)
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
         checkpoints.save(round_num, server_state, _client_versions(keeper))

@@ -21,12 +21,14 @@ import sys
 # shell reports a SIGINT.
 # A training run checkpoints its newest finished round first where it can
 # (pipeline.driver); rounds after its last checkpoint are trained again.
-INTERRUPTED = ('interrupted; re-run the same command to go on (a training '
-               'run from its last checkpoint)')
+_GOES_ON = ('; re-run the same command to go on (a training run from its '
+            'last checkpoint)')
 # The other programs' (evaluate, export, plot, benchmarks...): they write
 # their outputs whole or not at all, and have nothing to go on from.
-INTERRUPTED_WITHOUT_RESUME = ('interrupted; what it had not finished was not '
-                              'written: re-run the same command')
+_STARTS_OVER = ('; what it had not finished was not written: re-run the same '
+                'command')
+INTERRUPTED = 'interrupted' + _GOES_ON
+INTERRUPTED_WITHOUT_RESUME = 'interrupted' + _STARTS_OVER
 EXIT_INTERRUPTED = 130
 # Its output closed (e.g. `train ... | head`): as a shell reports a SIGPIPE.
 OUTPUT_CLOSED = 'its output was closed (broken pipe)'
@@ -105,12 +107,10 @@ def _main_program() -> str:
 def message(cause: str = 'interrupted') -> str:
   """The line (after "error: ") this program prints when `cause` (e.g. a
   Ctrl-C, its output closed) stopped it."""
-  if _main_program().startswith(_APP_PACKAGES) and (
-      _main_program() not in _RESUMING_PROGRAMS):
-    text = INTERRUPTED_WITHOUT_RESUME
-  else:
-    text = INTERRUPTED
-  return cause + text[len('interrupted'):]
+  program = _main_program()
+  if program.startswith(_APP_PACKAGES) and program not in _RESUMING_PROGRAMS:
+    return cause + _STARTS_OVER
+  return cause + _GOES_ON
 
 
 def _runs_as_app_program() -> bool:
