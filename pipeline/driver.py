@@ -500,7 +500,7 @@ class ClientStateKeeper:
     The versions they replace go at once unless a kept checkpoint names
     them: a long run then writes each round's states into the page-cache
     pages the previous round freed, which costs a fraction of fresh ones
-    (README, Benchmark).
+    (docs/performance_log.md).
     """
     previous = self.index.versions_of(indices)
     self.index.commit(indices, round_num)

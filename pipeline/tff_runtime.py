@@ -273,7 +273,7 @@ def _worker_environment() -> dict:
   The worker moves and holds model-sized values as the driver does. With the
   driver's heap thresholds, FedAvg's TFF round was 1-9% shorter in 5 of 5
   alternated pairs (100 and 1000 clients), at 20-29% more peak worker RSS
-  at 1000 clients (README, Benchmark).
+  at 1000 clients (docs/performance_log.md).
   """
   env = heap.child_environment(tf_logs.worker_environment())
   env.setdefault(INTRA_OP_THREADS_VARIABLE, '1')
