@@ -276,6 +276,17 @@ def _interrupt_once(signum, frame):
     interrupts.interrupt()
 
 
+def _terminate_once(signum, frame):
+  """SIGTERM: the first one stops the binary as a Ctrl-C does
+  (`interrupts.terminate`: its newest finished round checkpointed, one line,
+  status 143), then ignored, as `_interrupt_once` ignores a second SIGINT:
+  GNU `timeout` sends it to the process and then to its process group, and
+  a cluster's scheduler sends SIGKILL when its grace period ends."""
+  del signum, frame
+  if not interrupts.requested():
+    interrupts.terminate()
+
+
 def _unraisable_unless_interrupt(unraisable) -> None:
   # A KeyboardInterrupt raised in a finalizer or a gc callback is lost
   # there (interrupts.check raises it again); Python's report of it, an
@@ -321,12 +332,14 @@ def run(main, allow_positional_args: bool = False) -> None:
   private_temp.use_private_temp_dir()
   remove_temp_dir_on_fatal_signals()
   signal.signal(signal.SIGINT, _interrupt_once)
+  signal.signal(signal.SIGTERM, _terminate_once)
   sys.unraisablehook = _unraisable_unless_interrupt
 
   def fail(message: str, status: int):
     # Said once: a Ctrl-C now would cut the workers' shutdown short with a
     # second line.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if os.environ.get(RUN_BY_EXPERIMENT_ENV):
       message = advice_for_experiments(message)
     try:
@@ -356,7 +369,7 @@ def run(main, allow_positional_args: bool = False) -> None:
     # "Exception ignored ..." and "never awaited"; nothing to act on.
     sys.unraisablehook = lambda unraisable: None
     warnings.simplefilter('ignore')
-    fail(interrupts.message(), EXIT_INTERRUPTED)
+    fail(interrupts.message(), interrupts.exit_status())
 
   def guarded_main(argv):
     # Notes read `WARNING: <message>`, not absl's `W1127 03:40:39.567080
@@ -427,6 +440,7 @@ def run(main, allow_positional_args: bool = False) -> None:
     # workers' shutdown short with a traceback, or end Python's
     # finalization without a line.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tff_runtime.shutdown_workers()
   exit_without_finalizing(status)
 

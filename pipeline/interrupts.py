@@ -8,7 +8,9 @@ exception, which asyncio (Python 3.11) never marks as retrieved: it logs
 checkpoint save stopped between TFF's write and its deletion of the oldest
 leaves one checkpoint too many. The binaries' SIGINT handler calls
 `interrupt()`, which raises at once outside `deferred()` and at its end
-inside it.
+inside it. Their first SIGTERM does the same (`terminate()`): a cluster's
+scheduler sends it before it kills a job, and the run then stops as for a
+Ctrl-C, its newest finished round checkpointed, with SIGTERM's status.
 """
 
 import asyncio
@@ -16,6 +18,7 @@ import contextlib
 import os
 import signal
 import sys
+from typing import Optional
 
 # What an interrupted binary prints (after "error: ") and its status, as a
 # shell reports a SIGINT.
@@ -30,6 +33,10 @@ _STARTS_OVER = ('; what it had not finished was not written: re-run the same '
 INTERRUPTED = 'interrupted' + _GOES_ON
 INTERRUPTED_WITHOUT_RESUME = 'interrupted' + _STARTS_OVER
 EXIT_INTERRUPTED = 130
+# A first SIGTERM stops a binary as a Ctrl-C does, with the status a shell
+# reports for the signal.
+TERMINATED = 'terminated (SIGTERM)'
+EXIT_TERMINATED = 143
 # Its output closed (e.g. `train ... | head`): as a shell reports a SIGPIPE.
 OUTPUT_CLOSED = 'its output was closed (broken pipe)'
 EXIT_OUTPUT_CLOSED = 141
@@ -39,6 +46,8 @@ _RESUMING_PROGRAMS = ('binaries.train',)
 _depth = 0
 _pending = False
 _requested = False
+# What stopped this process first: its line's cause and its exit status.
+_cause = ('interrupted', EXIT_INTERRUPTED)
 
 
 def interrupt() -> None:
@@ -49,6 +58,19 @@ def interrupt() -> None:
     _pending = True
     return
   raise KeyboardInterrupt
+
+
+def terminate() -> None:
+  """`interrupt()` for a SIGTERM: the same stop, said and exited as one."""
+  global _cause
+  if not _requested:
+    _cause = (TERMINATED, EXIT_TERMINATED)
+  interrupt()
+
+
+def exit_status() -> int:
+  """The status of a process that `interrupt()` or `terminate()` stopped."""
+  return _cause[1]
 
 
 @contextlib.contextmanager
@@ -104,9 +126,12 @@ def _main_program() -> str:
   return ''
 
 
-def message(cause: str = 'interrupted') -> str:
-  """The line (after "error: ") this program prints when `cause` (e.g. a
-  Ctrl-C, its output closed) stopped it."""
+def message(cause: Optional[str] = None) -> str:
+  """The line (after "error: ") this program prints when `cause` (e.g. its
+  output closed; by default the Ctrl-C or SIGTERM that stopped it) stopped
+  it."""
+  if cause is None:
+    cause = _cause[0]
   program = _main_program()
   if program.startswith(_APP_PACKAGES) and program not in _RESUMING_PROGRAMS:
     return cause + _STARTS_OVER

@@ -121,17 +121,35 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
         cwd=lib.REPO, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
-  # SIGTERM and SIGHUP once autograph has written files: the private temp
-  # directory holding them goes with the process.
-  for signum in (signal.SIGTERM, signal.SIGHUP):
-    process = start(f'signal_{signum}')
-    try:
-      wait_for_autograph_file(temp, process)
-      process.send_signal(signum)
-      assert process.wait(timeout=120) == -signum
-    finally:
-      process.kill()
-    assert not os.listdir(temp)
+  # SIGHUP once autograph has written files: the private temp directory
+  # holding them goes with the process.
+  process = start('hung_up')
+  try:
+    wait_for_autograph_file(temp, process)
+    process.send_signal(signal.SIGHUP)
+    assert process.wait(timeout=120) == -signal.SIGHUP
+  finally:
+    process.kill()
+  assert not os.listdir(temp)
+
+  # SIGTERM (a scheduler's, before its SIGKILL) once rows are written: as a
+  # Ctrl-C, the newest finished round checkpointed, one line, status 143.
+  process = start('terminated', stderr=subprocess.PIPE)
+  try:
+    wait_for_rows(root / 'terminated', 3, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+  finally:
+    process.kill()
+  assert process.returncode == 143, stderr[-3000:]
+  assert stderr.strip().splitlines() == [
+      'error: terminated (SIGTERM); re-run the same command to go on (a '
+      'training run from its last checkpoint)'], stderr[-3000:]
+  with open(root / 'terminated' / 'metrics.csv') as f:
+    newest = int(f.read().strip().splitlines()[-1].split(',')[0])
+  assert max(int(name[len('round_'):]) for name in os.listdir(
+      root / 'terminated' / 'checkpoints')) == newest
+  assert not os.listdir(temp)
 
   # Ctrl-C (SIGINT) mid-run: one line, no traceback, status 130.
   process = start('interrupted', stderr=subprocess.PIPE)

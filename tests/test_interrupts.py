@@ -164,6 +164,34 @@ def test_a_ctrl_c_after_the_error_line_adds_nothing(tmp_path):
   assert result.stderr.splitlines() == ['error: bad input'], result.stderr
 
 
+def test_a_sigterm_stops_a_binary_as_a_ctrl_c_does(tmp_path):
+  # It ended the process at once (status -15, no line): a scheduler's
+  # SIGTERM before its SIGKILL lost every round since the last checkpoint.
+  # A second one (GNU timeout signals the process, then its group) is
+  # ignored, as a second Ctrl-C is; a Ctrl-C after it changes nothing.
+  result = _run_script(
+      tmp_path,
+      'import os, signal, time\n'
+      'from absl import flags\n'
+      'from binaries import app\n'
+      'flags.DEFINE_integer("x", 0, "x")\n'
+      'def main(argv):\n'
+      '  try:\n'
+      '    os.kill(os.getpid(), signal.SIGTERM)\n'
+      '    time.sleep(60)\n'
+      '  finally:\n'
+      '    os.kill(os.getpid(), signal.SIGTERM)\n'
+      '    os.kill(os.getpid(), signal.SIGINT)\n'
+      '    print("cleaned up", flush=True)\n'
+      'app.run(main)\n')
+  assert result.returncode == interrupts.EXIT_TERMINATED == 143, (
+      result.stderr[-3000:])
+  assert result.stdout == 'cleaned up\n'
+  assert result.stderr.splitlines() == [
+      'error: terminated (SIGTERM); re-run the same command to go on (a '
+      'training run from its last checkpoint)'], result.stderr[-3000:]
+
+
 def _run_script(tmp_path, text):
   """`text` (which calls binaries.app.run) run with --x=1 as a process of
   its own."""
