@@ -132,38 +132,34 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
     process.kill()
   assert not os.listdir(temp)
 
+  def stop_mid_run(name, signum, wait):
+    """Its status and its stderr's lines."""
+    process = start(name, stderr=subprocess.PIPE)
+    try:
+      wait(process)
+      process.send_signal(signum)
+      _, stderr = process.communicate(timeout=120)
+    finally:
+      process.kill()
+    assert not os.listdir(temp)
+    return process.returncode, stderr.strip().splitlines()
+
   # SIGTERM (a scheduler's, before its SIGKILL) once rows are written: as a
   # Ctrl-C, the newest finished round checkpointed, one line, status 143.
-  process = start('terminated', stderr=subprocess.PIPE)
-  try:
-    wait_for_rows(root / 'terminated', 3, process)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-  finally:
-    process.kill()
-  assert process.returncode == 143, stderr[-3000:]
-  assert stderr.strip().splitlines() == [
-      'error: terminated (SIGTERM); re-run the same command to go on (a '
-      'training run from its last checkpoint)'], stderr[-3000:]
+  assert stop_mid_run('terminated', signal.SIGTERM, lambda process: (
+      wait_for_rows(root / 'terminated', 3, process))) == (143, [
+          'error: terminated (SIGTERM); re-run the same command to go on (a '
+          'training run from its last checkpoint)'])
   with open(root / 'terminated' / 'metrics.csv') as f:
     newest = int(f.read().strip().splitlines()[-1].split(',')[0])
   assert max(int(name[len('round_'):]) for name in os.listdir(
       root / 'terminated' / 'checkpoints')) == newest
-  assert not os.listdir(temp)
 
   # Ctrl-C (SIGINT) mid-run: one line, no traceback, status 130.
-  process = start('interrupted', stderr=subprocess.PIPE)
-  try:
-    wait_for_autograph_file(temp, process)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
-  finally:
-    process.kill()
-  assert process.returncode == 130, stderr[-3000:]
-  assert stderr.strip().splitlines() == [
-      'error: interrupted; re-run the same command to go on (a training '
-      'run from its last checkpoint)'], stderr[-3000:]
-  assert not os.listdir(temp)
+  assert stop_mid_run('interrupted', signal.SIGINT, lambda process: (
+      wait_for_autograph_file(temp, process))) == (130, [
+          'error: interrupted; re-run the same command to go on (a training '
+          'run from its last checkpoint)'])
 
   # SIGKILL while training; meanwhile a second trainer is refused.
   process = start('killed')
