@@ -130,7 +130,8 @@ def test_a_task_smaller_than_the_default_cohort_trains_with_all_clients(
 
 @pytest.mark.parametrize('entry_points', [
     'binaries', 'experiments', 'benchmarks.rounds', 'benchmarks.state_files',
-    'benchmarks.weight_passes', 'benchmarks.peers.check_same_math'])
+    'benchmarks.weight_passes', 'benchmarks.fedres_floor',
+    'benchmarks.peers.check_same_math'])
 def test_entry_points_import_tensorflow_quietly(entry_points):
   """Every `python -m` entry point of the README and docs imports TF (in
   its process) after quieting it, as a binary does."""
