@@ -34,17 +34,6 @@ def run_dir() -> str:
                                     FLAGS.experiment_name)
 
 
-def _parse_stored(name: str, value: Any, path: str) -> Any:
-  flag = FLAGS[name]
-  if value is None and flag.default is None:
-    return None
-  try:
-    return flag.parser.parse(value)
-  except (ValueError, TypeError) as e:
-    raise UsageError(f'{path}: {name}={value!r} is not a valid --{name} '
-                     f'({e})') from e
-
-
 def load_run_flags() -> None:
   """Fills flags the user did not set from the run's hparams.json; another
   value of one that changes results is a UsageError."""
@@ -54,6 +43,7 @@ def load_run_flags() -> None:
     raise UsageError(f'{path} not found: --experiment_name/--root_output_dir '
                      'must name a run directory made by binaries.train')
   hparams = run_directory.read_hparams(directory)
+  flags_lib.check_stored_values(hparams, path)
   for name in ('task', 'algorithm'):
     if not isinstance(hparams.get(name), str) and not FLAGS[name].present:
       raise UsageError(f'{path} names no {name}: it is damaged (binaries.'
@@ -71,7 +61,7 @@ def load_run_flags() -> None:
     if (name in known and FLAGS[name].present and
         name not in run_directory.RESULT_NEUTRAL_KEYS and
         name != 'client_state_dir' and
-        FLAGS[name].value != _parse_stored(name, value, path)):
+        FLAGS[name].value != flags_lib.parse_stored(name, value, path)):
       differing.append(f'--{name} (run: {json.dumps(value)}, now: '
                        f'{json.dumps(FLAGS[name].value)})')
   if differing:
@@ -80,7 +70,7 @@ def load_run_flags() -> None:
                      'hparams.json gives them)')
   for name, value in hparams.items():
     if name in known and not FLAGS[name].present:
-      FLAGS[name].value = _parse_stored(name, value, path)
+      FLAGS[name].value = flags_lib.parse_stored(name, value, path)
   # A run from before such a flag existed stored its client states in the
   # form that value gives (FedRes's personalized evaluation reads them).
   for name, value in flags_lib.VALUES_BEFORE_FLAG.items():

@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from pipeline import run_logs
 from pipeline.errors import ENVIRONMENT_ERRNOS
@@ -282,6 +282,11 @@ def read_hparams(run_dir: str) -> dict:
   if not isinstance(hparams, dict):
     raise UsageError(f'{path} must hold a JSON object of flag values, not a '
                      f'{type(hparams).__name__}')
+  history = hparams.get(FLAG_CHANGES_KEY, [])
+  if not isinstance(history, list):
+    raise UsageError(f'{path}: {FLAG_CHANGES_KEY} must be a list of the '
+                     'changes made on earlier resumes, not '
+                     f'{json.dumps(history)}: the file is damaged')
   return hparams
 
 
@@ -348,14 +353,18 @@ def check_resume(run_dir: str, start_round: Optional[int],
                  allow_flag_changes: bool = False,
                  defaults: Optional[dict] = None,
                  unused: frozenset = frozenset(),
-                 fixed: Optional[Mapping[str, str]] = None) -> ResumePlan:
+                 fixed: Optional[Mapping[str, str]] = None,
+                 check_stored: Optional[Callable[[dict, str], None]] = None
+                 ) -> ResumePlan:
   """Checks that the run may continue from `start_round` with `hparams`
   (see module doc); writes nothing. `hparams` None: not checked (library
   use). `defaults`: what keys hparams.json lacks are compared with
   (`result_changes`). `unused`: keys of flags the run's algorithm does not
   read (their values, e.g. one derived from a used flag, change nothing).
   `fixed`: {key: why} of flags that may not change even with
-  `allow_flag_changes` (a change would make the run's record wrong)."""
+  `allow_flag_changes` (a change would make the run's record wrong).
+  `check_stored(stored, path)`: raises UsageError for keys or values of
+  hparams.json no command writes (a damaged file, not a changed flag)."""
   metrics_path = os.path.join(run_dir, run_logs.METRICS_FILE)
   # UsageError if damaged, or not one row per round up to the checkpoint.
   metrics = run_logs.check_metrics(metrics_path, start_round or 0)
@@ -381,6 +390,8 @@ def check_resume(run_dir: str, start_round: Optional[int],
                     path)
     return ResumePlan(start_round, current)
   stored = read_hparams(run_dir)
+  if check_stored is not None:
+    check_stored(stored, path)
   changes = result_changes(stored, current, RESULT_NEUTRAL_KEYS | unused,
                            defaults)
   if not changes:
@@ -401,12 +412,7 @@ def check_resume(run_dir: str, start_round: Optional[int],
         'the new ones')
   note = (f'{run_dir} continues from round {start_round} with changed '
           f'flags: {_describe(changes)} (recorded in {HPARAMS_FILE})')
-  history = stored.get(FLAG_CHANGES_KEY) or []
-  if not isinstance(history, list):
-    raise UsageError(f'{path}: {FLAG_CHANGES_KEY} must be a list of the '
-                     'changes made on earlier resumes, not '
-                     f'{json.dumps(history)}: the file is damaged')
-  history = list(history)
+  history = list(stored.get(FLAG_CHANGES_KEY) or [])
   # A key hparams.json lacked has no 'run' value.
   history.append({'from_round': start_round, 'changes': {
       key: ({'now': new} if old is NOT_RECORDED else {'run': old, 'now': new})

@@ -614,9 +614,29 @@ CASES = [
                'store', '.owner', os.path.realpath(p.base) + '\n')(p))
       for binary in ('evaluate', 'export')],
     Case('hparams_wrong_type', 'export', of_base(),
-         lambda p: f'{p.base}/hparams.json: seed=\'abc\' is not a valid '
-         "--seed (invalid literal for int() with base 10: 'abc')",
+         lambda p: f'{p.base}/hparams.json: seed="abc" is not a valid --seed '
+         '(a string where it takes an integer): the file is damaged',
          setup=edit_hparams(seed='abc')),
+    # Both were "other values of flags that change results: --... (run:
+    # [1, 2], now: 0.01)", advising --allow_flag_changes.
+    Case('resume_with_a_wrong_type_in_hparams', 'train', resume_base(),
+         lambda p: f'{p.base}/hparams.json: client_learning_rate=[1, 2] is '
+         'not a valid --client_learning_rate (a list where it takes a '
+         'number): the file is damaged',
+         setup=edit_hparams(client_learning_rate=[1, 2])),
+    Case('resume_with_a_bad_neutral_value_in_hparams', 'train', resume_base(),
+         lambda p: f'{p.base}/hparams.json: total_rounds="abc" is not a valid '
+         '--total_rounds (a string where it takes an integer): the file is '
+         'damaged', setup=edit_hparams(total_rounds='abc')),
+    # Resumed (and evaluate, export read the run) as if it were not there.
+    Case('resume_with_an_unknown_key_in_hparams', 'train', resume_base(),
+         lambda p: f'{p.base}/hparams.json: \'client_lerning_rate\' is no flag '
+         'of this pipeline (binaries.train writes only flags there): the '
+         'file is damaged', setup=edit_hparams(client_lerning_rate=0.5)),
+    Case('evaluate_with_an_unknown_key_in_hparams', 'evaluate', of_base(),
+         lambda p: f'{p.base}/hparams.json: \'bogus\' is no flag of this '
+         'pipeline (binaries.train writes only flags there): the file is '
+         'damaged', setup=edit_hparams(bogus=1)),
     Case('metrics_garbage', 'train', resume_base(),
          lambda p: f'{p.base}/metrics.csv does not start with a round_num '
          'column' + NOT_METRICS,
