@@ -248,10 +248,19 @@ class CheckpointManager:
     rounds = self.rounds()
     return rounds[-1] if rounds else None
 
-  def load(self, round_num: int, structure):
+  def load(self, round_num: int, structure,
+           changed_flags: Optional[str] = None):
+    """The checkpoint of `round_num` loaded into `structure`. `changed_flags`:
+    the flags a resume changed (`ResumePlan.changed`), which an incompatible
+    checkpoint is blamed on: an earlier one cannot take them either."""
     path = os.path.join(self._dir, f'{CHECKPOINT_PREFIX}{round_num}')
 
     def incompatible(reason):
+      if changed_flags:
+        return UsageError(
+            f'checkpoint {path} holds a state that the changed flags cannot '
+            f'continue ({reason}): {changed_flags}; repeat the run\'s values, '
+            'or train with the new ones under a new --experiment_name')
       return UsageError(f'checkpoint {path} is corrupted or incompatible with '
                         f'these flags ({reason}); use the flags it was '
                         'trained with, or delete it to resume from an '
@@ -679,7 +688,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
     run_directory.finish_resume(run_dir, resume)
     checkpoints.save(0, server_state, _client_versions(keeper))
   else:
-    loaded = checkpoints.load(start_round, structure(start_round))
+    loaded = checkpoints.load(start_round, structure(start_round),
+                              resume.changed)
     server_state = loaded['server_state']
     checkpoints.drop_unkept()  # Before the keeper collects unnamed states.
     if keeper:

@@ -346,6 +346,9 @@ class ResumePlan:
   # Logged once hparams.json records the changes (not before: a later
   # check may still refuse the resume).
   note: Optional[str] = None
+  # The flags changed with `allow_flag_changes`, described (`--seed (run:
+  # 0, now: 1)`): a checkpoint that cannot take them is no damage.
+  changed: Optional[str] = None
 
 
 def check_resume(run_dir: str, start_round: Optional[int],
@@ -410,8 +413,9 @@ def check_resume(run_dir: str, start_round: Optional[int],
         f'results: {_describe(changes)}; repeat the run\'s values, use a new '
         '--experiment_name, or pass --allow_flag_changes to continue with '
         'the new ones')
+  changed = _describe(changes)
   note = (f'{run_dir} continues from round {start_round} with changed '
-          f'flags: {_describe(changes)} (recorded in {HPARAMS_FILE})')
+          f'flags: {changed} (recorded in {HPARAMS_FILE})')
   history = list(stored.get(FLAG_CHANGES_KEY) or [])
   # A key hparams.json lacked has no 'run' value.
   history.append({'from_round': start_round, 'changes': {
@@ -421,7 +425,7 @@ def check_resume(run_dir: str, start_round: Optional[int],
   updated = {**current, **{k: stored[k] for k in stored.keys() &
                            RESULT_NEUTRAL_KEYS}}
   updated[FLAG_CHANGES_KEY] = history
-  return ResumePlan(start_round, updated, note)
+  return ResumePlan(start_round, updated, note, changed)
 
 
 def remove_cut_off_writes(run_dir: str) -> None:

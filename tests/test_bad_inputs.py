@@ -637,6 +637,15 @@ CASES = [
          lambda p: f'{p.base}/hparams.json: \'bogus\' is no flag of this '
          'pipeline (binaries.train writes only flags there): the file is '
          'damaged', setup=edit_hparams(bogus=1)),
+    # It advised deleting the checkpoint "to resume from an earlier one",
+    # which holds FedAvg's state too.
+    Case('resume_with_another_algorithm_allowed', 'train',
+         resume_base('--allow_flag_changes', '--algorithm=scaffold'),
+         lambda p: f'checkpoint {p.base}/checkpoints/round_3 holds a state '
+         'that the changed flags cannot continue (ValueError): --algorithm '
+         '(run: "fedavg", now: "scaffold"), --client_weighting (run: '
+         '"num_examples", now: "uniform"); repeat the run\'s values, or train '
+         'with the new ones under a new --experiment_name'),
     Case('metrics_garbage', 'train', resume_base(),
          lambda p: f'{p.base}/metrics.csv does not start with a round_num '
          'column' + NOT_METRICS,
