@@ -705,6 +705,12 @@ CASES = [
          lambda p: '--conformal needs a classifier of one class per example; '
          '--task=fedres_toy is not one (its loss is QuadraticLinearLoss, not a '
          'cross-entropy)', setup=edit_hparams('fedres', task='fedres_toy')),
+    # It served the initial local model, with a note.
+    Case('serve_empty_client_id', 'serve_personalized',
+         lambda p: [f'--export_dir={p.fedres}/export', '--client_id=',
+                    f'--inputs_npy={p.root}/inputs.npy'],
+         lambda p: '--client_id is empty; name the client whose local model '
+         'to use', setup=copy_fedres_export),
     Case('serve_wrongly_shaped_input', 'serve_personalized',
          serve('fedres/export'),
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
