@@ -29,6 +29,11 @@ flags.DEFINE_integer('checkpoint_round', None,
                      'Round of the checkpoint to use (default: the latest).')
 
 
+# The flags that name the run directory; hparams.json records where it was
+# trained.
+_RUN_LOCATION = ('root_output_dir', 'experiment_name')
+
+
 def run_dir() -> str:
   return run_directory.run_dir_path(FLAGS.root_output_dir,
                                     FLAGS.experiment_name)
@@ -69,7 +74,11 @@ def load_run_flags() -> None:
                      f'{", ".join(differing)}; leave them out (the run\'s '
                      'hparams.json gives them)')
   for name, value in hparams.items():
-    if name in known and not FLAGS[name].present:
+    # Where the run is now is where it was found (a run moved or copied
+    # under the default --root_output_dir was read, and written to, at the
+    # root it was trained in).
+    if (name in known and not FLAGS[name].present and
+        name not in _RUN_LOCATION):
       FLAGS[name].value = flags_lib.parse_stored(name, value, path)
   # A run from before such a flag existed stored its client states in the
   # form that value gives (FedRes's personalized evaluation reads them).

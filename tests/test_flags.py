@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import os
 import re
 
 import pytest
@@ -141,3 +142,19 @@ def test_what_train_writes_and_older_versions_wrote_is_accepted():
        'task_defaults_applied': {'client_steps': 2},
        'flag_changes': [{'from_round': 2, 'changes': {}}],
        'client_state_store': 'sqlite'}, 'run/hparams.json')
+
+
+def test_a_run_is_read_where_it_is_found(parsed_flags, tmp_path, monkeypatch):
+  # Copied under the default --root_output_dir (runs/): evaluate read the
+  # checkpoints of, and wrote its report into, the run at the root
+  # hparams.json records, which may be another run.
+  from binaries import restore  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  parsed_flags('--experiment_name=copy')
+  os.makedirs('runs/copy')
+  with open('runs/copy/hparams.json', 'w') as f:
+    json.dump({**flags_lib.all_values(), 'task': 'digits',
+               'algorithm': 'fedavg', 'experiment_name': 'original',
+               'root_output_dir': str(tmp_path / 'elsewhere')}, f)
+  restore.load_run_flags()
+  assert restore.run_dir() == 'runs/copy'
