@@ -81,6 +81,7 @@ from benchmarks import report
 from binaries import process_memory
 from pipeline import interrupts
 from pipeline import tff_runtime
+from pipeline.errors import ENVIRONMENT_ERRNOS
 from pipeline.errors import EnvironmentFault
 from pipeline.errors import UsageError
 # Imported before absl parses flags: TF imported later, inside main, builds
@@ -770,6 +771,16 @@ def run_parent() -> None:
       problem = None
     if problem:
       raise UsageError(f'--run_root={root} {problem}')
+    try:  # Writable by its mode, yet the kernel may make nothing there.
+      os.rmdir(tempfile.mkdtemp(prefix='benchmark_', dir=root))
+    except OSError as e:
+      if e.errno in ENVIRONMENT_ERRNOS:
+        raise  # binaries.app names these faults with the path.
+      # E.g. /proc (ENOENT): a FileNotFoundError traceback in the first
+      # measurement.
+      raise EnvironmentFault(f'--run_root={root} cannot hold the runs\' '
+                             f'directories ({e.strerror}); use another '
+                             '--run_root') from None
   modes = [m for m in MODES if m in _MODES.value]
   unknown = sorted(set(_MODES.value) - set(MODES))
   if unknown or not modes:

@@ -6,6 +6,7 @@ default and help; a field several algorithms share is one flag.
 """
 
 import dataclasses
+import json
 import math
 import typing
 from typing import Any, Callable, Optional, Union
@@ -13,6 +14,7 @@ from typing import Any, Callable, Optional, Union
 from absl import flags
 
 from binaries import app
+from pipeline import run_directory
 from pipeline import tff_runtime
 from pipeline.errors import UsageError
 from tasks import base as task_base
@@ -418,6 +420,74 @@ def apply_task_defaults(task: Optional[str],
 def all_values() -> dict:
   """Every flag this module defines, for hparams.json."""
   return {f.name: f.value for f in FLAGS.get_flags_for_module(__name__)}
+
+
+# hparams.json's keys that are no flag: which values came from the task's
+# defaults (binaries/train.py), the changes allowed on resumes
+# (pipeline/run_directory.py), and flags an older version wrote:
+# --client_state_store chose where the client states were kept (memory or
+# SQLite) until the per-client state files replaced both (2026-11-23,
+# e0d08cf/bb51140); it never changed results, and is ignored.
+NOT_FLAG_KEYS = frozenset({'task_defaults_applied',
+                           run_directory.FLAG_CHANGES_KEY})
+RETIRED_FLAGS = frozenset({'client_state_store'})
+
+
+_JSON_TYPES = {type(None): 'null', bool: 'true/false', int: 'a number',
+               float: 'a number', str: 'a string', list: 'a list',
+               dict: 'an object'}
+
+
+def _json_type_misfit(flag: flags.Flag, value: Any) -> Optional[str]:
+  """Why `value` is not of the JSON type binaries.train writes for `flag`,
+  else None (absl's parsers take a string for any flag, and 1 for True)."""
+  number = not isinstance(value, bool)
+  if isinstance(flag.parser, flags.BooleanParser):
+    fits, wanted = isinstance(value, bool), 'true/false'
+  elif isinstance(flag.parser, flags.IntegerParser):
+    fits, wanted = number and isinstance(value, int), 'an integer'
+  elif isinstance(flag.parser, flags.FloatParser):
+    fits, wanted = number and isinstance(value, (int, float)), 'a number'
+  else:
+    fits, wanted = isinstance(value, str), 'a string'
+  if fits or (value is None and flag.default is None):
+    return None
+  return (f'{_JSON_TYPES.get(type(value), type(value).__name__)} where it '
+          f'takes {wanted}')
+
+
+def parse_stored(name: str, value: Any, path: str) -> Any:
+  """The value of --`name` that hparams.json (at `path`) records;
+  UsageError naming the key if no such flag takes it: the file is
+  damaged (binaries.train writes each flag's own value)."""
+  flag = FLAGS[name]
+  try:
+    misfit = _json_type_misfit(flag, value)
+    if misfit:
+      raise TypeError(misfit)
+    return None if value is None else flag.parser.parse(value)
+  except (ValueError, TypeError) as e:
+    raise UsageError(f'{path}: {name}={json.dumps(value)} is not a valid '
+                     f'--{name} ({e}): the file is damaged') from e
+
+
+def check_stored_values(hparams: dict, path: str) -> None:
+  """UsageError naming the first key of a run's hparams.json (at `path`)
+  that is no flag of this module (nor `NOT_FLAG_KEYS`, `RETIRED_FLAGS`), or
+  whose value its flag does not take: the file is damaged. (A resume
+  reported a list where a number belongs as a changed flag, and took any
+  unknown key.)"""
+  known = {f.name for f in FLAGS.get_flags_for_module(__name__)}
+  for name, value in sorted(hparams.items()):
+    if name in known:
+      parse_stored(name, value, path)
+    elif name == 'task_defaults_applied' and not isinstance(value, dict):
+      raise UsageError(f'{path}: {name} must be an object of the task\'s '
+                       f'default flag values, not {json.dumps(value)}: the '
+                       'file is damaged')
+    elif name not in NOT_FLAG_KEYS | RETIRED_FLAGS:
+      raise UsageError(f'{path}: {name!r} is no flag of this pipeline (binaries'
+                       '.train writes only flags there): the file is damaged')
 
 
 # What runs started before a flag existed computed, where that is not the

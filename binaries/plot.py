@@ -68,6 +68,24 @@ def read_curve(run_dir: str, metric: str) -> tuple[list[int], list[float]]:
   return [r for r, _ in points], [v for _, v in points]
 
 
+def check_math_text(text: str, what: str) -> None:
+  """UsageError if matplotlib takes `text` (`what`: where it comes from)
+  for math (between two `$`) that it cannot parse: savefig raised the parse
+  error, a traceback."""
+  from matplotlib import cbook  # pylint: disable=g-import-not-at-top
+  from matplotlib import mathtext  # pylint: disable=g-import-not-at-top
+  try:
+    for line in text.split('\n'):  # As matplotlib draws it.
+      if cbook.is_math_text(line):
+        mathtext.MathTextParser('path').parse(line)
+  except ValueError as e:
+    shown = f"'{text}'" if text.isprintable() else repr(text)
+    raise UsageError(f'{what} {shown} is not text matplotlib can draw: '
+                     'between two $ it is math '
+                     f'({str(e).strip().splitlines()[-1]}); write a $ as '
+                     '\\$') from e
+
+
 def plot(run_dirs: list[str], metric: str, output: str,
          labels: list[str], title: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -75,6 +93,10 @@ def plot(run_dirs: list[str], metric: str, output: str,
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from matplotlib import ticker  # pylint: disable=g-import-not-at-top
 
+  check_math_text(title, '--title' if FLAGS.title else 'the title (--metric)')
+  for label in labels:
+    check_math_text(label, 'the label' if FLAGS.labels else
+                    'the label (a run directory\'s name; --labels)')
   # Every file is read before anything is written.
   curves = [read_curve(run_dir, metric) for run_dir in run_dirs]
   figure, axes = plt.subplots(figsize=(6.4, 4.2))

@@ -29,20 +29,14 @@ flags.DEFINE_integer('checkpoint_round', None,
                      'Round of the checkpoint to use (default: the latest).')
 
 
+# The flags that name the run directory; hparams.json records where it was
+# trained.
+_RUN_LOCATION = ('root_output_dir', 'experiment_name')
+
+
 def run_dir() -> str:
   return run_directory.run_dir_path(FLAGS.root_output_dir,
                                     FLAGS.experiment_name)
-
-
-def _parse_stored(name: str, value: Any, path: str) -> Any:
-  flag = FLAGS[name]
-  if value is None and flag.default is None:
-    return None
-  try:
-    return flag.parser.parse(value)
-  except (ValueError, TypeError) as e:
-    raise UsageError(f'{path}: {name}={value!r} is not a valid --{name} '
-                     f'({e})') from e
 
 
 def load_run_flags() -> None:
@@ -54,6 +48,7 @@ def load_run_flags() -> None:
     raise UsageError(f'{path} not found: --experiment_name/--root_output_dir '
                      'must name a run directory made by binaries.train')
   hparams = run_directory.read_hparams(directory)
+  flags_lib.check_stored_values(hparams, path)
   for name in ('task', 'algorithm'):
     if not isinstance(hparams.get(name), str) and not FLAGS[name].present:
       raise UsageError(f'{path} names no {name}: it is damaged (binaries.'
@@ -71,7 +66,7 @@ def load_run_flags() -> None:
     if (name in known and FLAGS[name].present and
         name not in run_directory.RESULT_NEUTRAL_KEYS and
         name != 'client_state_dir' and
-        FLAGS[name].value != _parse_stored(name, value, path)):
+        FLAGS[name].value != flags_lib.parse_stored(name, value, path)):
       differing.append(f'--{name} (run: {json.dumps(value)}, now: '
                        f'{json.dumps(FLAGS[name].value)})')
   if differing:
@@ -79,8 +74,12 @@ def load_run_flags() -> None:
                      f'{", ".join(differing)}; leave them out (the run\'s '
                      'hparams.json gives them)')
   for name, value in hparams.items():
-    if name in known and not FLAGS[name].present:
-      FLAGS[name].value = _parse_stored(name, value, path)
+    # Where the run is now is where it was found (a run moved or copied
+    # under the default --root_output_dir was read, and written to, at the
+    # root it was trained in).
+    if (name in known and not FLAGS[name].present and
+        name not in _RUN_LOCATION):
+      FLAGS[name].value = flags_lib.parse_stored(name, value, path)
   # A run from before such a flag existed stored its client states in the
   # form that value gives (FedRes's personalized evaluation reads them).
   for name, value in flags_lib.VALUES_BEFORE_FLAG.items():

@@ -51,6 +51,10 @@ def _check_data_size(path: str) -> None:
 def main(argv):
   del argv
   app.require_flags('export_dir', 'client_id', 'inputs_npy')
+  if not FLAGS.client_id:
+    # No client has it: the initial local model was served, with a note.
+    raise UsageError('--client_id is empty; name the client whose local '
+                     'model to use')
   if not os.path.isdir(FLAGS.export_dir):
     raise UsageError(f'--export_dir={FLAGS.export_dir} is not a directory '
                      '(it should be the export of a FedRes run)')

@@ -75,7 +75,8 @@ def main(argv):
       round_metrics=flags_lib.privacy_metrics(aggregation, task),
       hparams_defaults=flags_lib.given_flag_defaults(definition),
       hparams_unused=flags_lib.unused_algorithm_flags(FLAGS.algorithm),
-      hparams_fixed=flags_lib.fixed_on_resume(definition))
+      hparams_fixed=flags_lib.fixed_on_resume(definition),
+      hparams_check=flags_lib.check_stored_values)
   summary = ', '.join(f'{k}={v:.4f}' for k, v in sorted(
       result.last_metrics.items()) if k.startswith(('train/loss', 'eval')))
   logging.info('finished round %d: %s', result.round_num, summary)

@@ -248,10 +248,19 @@ class CheckpointManager:
     rounds = self.rounds()
     return rounds[-1] if rounds else None
 
-  def load(self, round_num: int, structure):
+  def load(self, round_num: int, structure,
+           changed_flags: Optional[str] = None):
+    """The checkpoint of `round_num` loaded into `structure`. `changed_flags`:
+    the flags a resume changed (`ResumePlan.changed`), which an incompatible
+    checkpoint is blamed on: an earlier one cannot take them either."""
     path = os.path.join(self._dir, f'{CHECKPOINT_PREFIX}{round_num}')
 
     def incompatible(reason):
+      if changed_flags:
+        return UsageError(
+            f'checkpoint {path} holds a state that the changed flags cannot '
+            f'continue ({reason}): {changed_flags}; repeat the run\'s values, '
+            'or train with the new ones under a new --experiment_name')
       return UsageError(f'checkpoint {path} is corrupted or incompatible with '
                         f'these flags ({reason}); use the flags it was '
                         'trained with, or delete it to resume from an '
@@ -567,7 +576,9 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
           round_metrics: Optional[Callable[[int], dict]] = None,
           hparams_defaults: Optional[dict] = None,
           hparams_unused: frozenset = frozenset(),
-          hparams_fixed: Optional[Mapping[str, str]] = None) -> TrainResult:
+          hparams_fixed: Optional[Mapping[str, str]] = None,
+          hparams_check: Optional[Callable[[dict, str], None]] = None
+          ) -> TrainResult:
   """Runs (or resumes) `config.total_rounds` rounds; exports the final model.
 
   `model_aggregator`: a `tff.aggregators` factory for the model update (None:
@@ -577,7 +588,8 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   (`run_directory.check_resume`; keys the run's hparams.json lacks against
   `hparams_defaults`; `hparams_unused`, flags the algorithm does not read,
   not compared; `hparams_fixed`, {flag: why} of those that may not change
-  even with `allow_flag_changes`).
+  even with `allow_flag_changes`; `hparams_check` refuses a damaged
+  hparams.json).
   """
   config.validate(task.num_train_clients)
   # Model-sized values cross this process every round (pipeline/heap.py).
@@ -588,7 +600,7 @@ def train(definition: round_lib.RoundDefinition, task: base.Task,
   with run_directory.locked(config.run_dir), _store_locked(definition, config):
     return _train_locked(definition, task, config, hparams, model_aggregator,
                          round_metrics, hparams_defaults, hparams_unused,
-                         hparams_fixed)
+                         hparams_fixed, hparams_check)
 
 
 @contextlib.contextmanager
@@ -633,7 +645,9 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                   model_aggregator, round_metrics,
                   hparams_defaults: Optional[dict],
                   hparams_unused: frozenset,
-                  hparams_fixed: Optional[Mapping[str, str]]) -> TrainResult:
+                  hparams_fixed: Optional[Mapping[str, str]],
+                  hparams_check: Optional[Callable[[dict, str], None]]
+                  ) -> TrainResult:
   run_dir = config.run_dir
   checkpoints = CheckpointManager(
       os.path.join(run_dir, run_directory.CHECKPOINTS_DIR),
@@ -648,7 +662,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
   resume = run_directory.check_resume(run_dir, start_round, hparams,
                                       config.allow_flag_changes,
                                       hparams_defaults, hparams_unused,
-                                      hparams_fixed)
+                                      hparams_fixed, hparams_check)
   if config.export:  # Refused now, not after the last round.
     export_lib.check_replaceable(os.path.join(run_dir, export_lib.EXPORT_DIR))
 
@@ -674,7 +688,8 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
     run_directory.finish_resume(run_dir, resume)
     checkpoints.save(0, server_state, _client_versions(keeper))
   else:
-    loaded = checkpoints.load(start_round, structure(start_round))
+    loaded = checkpoints.load(start_round, structure(start_round),
+                              resume.changed)
     server_state = loaded['server_state']
     checkpoints.drop_unkept()  # Before the keeper collects unnamed states.
     if keeper:

@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from pipeline import run_logs
 from pipeline.errors import ENVIRONMENT_ERRNOS
@@ -282,6 +282,11 @@ def read_hparams(run_dir: str) -> dict:
   if not isinstance(hparams, dict):
     raise UsageError(f'{path} must hold a JSON object of flag values, not a '
                      f'{type(hparams).__name__}')
+  history = hparams.get(FLAG_CHANGES_KEY, [])
+  if not isinstance(history, list):
+    raise UsageError(f'{path}: {FLAG_CHANGES_KEY} must be a list of the '
+                     'changes made on earlier resumes, not '
+                     f'{json.dumps(history)}: the file is damaged')
   return hparams
 
 
@@ -341,6 +346,9 @@ class ResumePlan:
   # Logged once hparams.json records the changes (not before: a later
   # check may still refuse the resume).
   note: Optional[str] = None
+  # The flags changed with `allow_flag_changes`, described (`--seed (run:
+  # 0, now: 1)`): a checkpoint that cannot take them is no damage.
+  changed: Optional[str] = None
 
 
 def check_resume(run_dir: str, start_round: Optional[int],
@@ -348,14 +356,18 @@ def check_resume(run_dir: str, start_round: Optional[int],
                  allow_flag_changes: bool = False,
                  defaults: Optional[dict] = None,
                  unused: frozenset = frozenset(),
-                 fixed: Optional[Mapping[str, str]] = None) -> ResumePlan:
+                 fixed: Optional[Mapping[str, str]] = None,
+                 check_stored: Optional[Callable[[dict, str], None]] = None
+                 ) -> ResumePlan:
   """Checks that the run may continue from `start_round` with `hparams`
   (see module doc); writes nothing. `hparams` None: not checked (library
   use). `defaults`: what keys hparams.json lacks are compared with
   (`result_changes`). `unused`: keys of flags the run's algorithm does not
   read (their values, e.g. one derived from a used flag, change nothing).
   `fixed`: {key: why} of flags that may not change even with
-  `allow_flag_changes` (a change would make the run's record wrong)."""
+  `allow_flag_changes` (a change would make the run's record wrong).
+  `check_stored(stored, path)`: raises UsageError for keys or values of
+  hparams.json no command writes (a damaged file, not a changed flag)."""
   metrics_path = os.path.join(run_dir, run_logs.METRICS_FILE)
   # UsageError if damaged, or not one row per round up to the checkpoint.
   metrics = run_logs.check_metrics(metrics_path, start_round or 0)
@@ -381,6 +393,8 @@ def check_resume(run_dir: str, start_round: Optional[int],
                     path)
     return ResumePlan(start_round, current)
   stored = read_hparams(run_dir)
+  if check_stored is not None:
+    check_stored(stored, path)
   changes = result_changes(stored, current, RESULT_NEUTRAL_KEYS | unused,
                            defaults)
   if not changes:
@@ -399,14 +413,10 @@ def check_resume(run_dir: str, start_round: Optional[int],
         f'results: {_describe(changes)}; repeat the run\'s values, use a new '
         '--experiment_name, or pass --allow_flag_changes to continue with '
         'the new ones')
+  changed = _describe(changes)
   note = (f'{run_dir} continues from round {start_round} with changed '
-          f'flags: {_describe(changes)} (recorded in {HPARAMS_FILE})')
-  history = stored.get(FLAG_CHANGES_KEY) or []
-  if not isinstance(history, list):
-    raise UsageError(f'{path}: {FLAG_CHANGES_KEY} must be a list of the '
-                     'changes made on earlier resumes, not '
-                     f'{json.dumps(history)}: the file is damaged')
-  history = list(history)
+          f'flags: {changed} (recorded in {HPARAMS_FILE})')
+  history = list(stored.get(FLAG_CHANGES_KEY) or [])
   # A key hparams.json lacked has no 'run' value.
   history.append({'from_round': start_round, 'changes': {
       key: ({'now': new} if old is NOT_RECORDED else {'run': old, 'now': new})
@@ -415,7 +425,7 @@ def check_resume(run_dir: str, start_round: Optional[int],
   updated = {**current, **{k: stored[k] for k in stored.keys() &
                            RESULT_NEUTRAL_KEYS}}
   updated[FLAG_CHANGES_KEY] = history
-  return ResumePlan(start_round, updated, note)
+  return ResumePlan(start_round, updated, note, changed)
 
 
 def remove_cut_off_writes(run_dir: str) -> None:

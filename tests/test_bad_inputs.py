@@ -614,9 +614,38 @@ CASES = [
                'store', '.owner', os.path.realpath(p.base) + '\n')(p))
       for binary in ('evaluate', 'export')],
     Case('hparams_wrong_type', 'export', of_base(),
-         lambda p: f'{p.base}/hparams.json: seed=\'abc\' is not a valid '
-         "--seed (invalid literal for int() with base 10: 'abc')",
+         lambda p: f'{p.base}/hparams.json: seed="abc" is not a valid --seed '
+         '(a string where it takes an integer): the file is damaged',
          setup=edit_hparams(seed='abc')),
+    # Both were "other values of flags that change results: --... (run:
+    # [1, 2], now: 0.01)", advising --allow_flag_changes.
+    Case('resume_with_a_wrong_type_in_hparams', 'train', resume_base(),
+         lambda p: f'{p.base}/hparams.json: client_learning_rate=[1, 2] is '
+         'not a valid --client_learning_rate (a list where it takes a '
+         'number): the file is damaged',
+         setup=edit_hparams(client_learning_rate=[1, 2])),
+    Case('resume_with_a_bad_neutral_value_in_hparams', 'train', resume_base(),
+         lambda p: f'{p.base}/hparams.json: total_rounds="abc" is not a valid '
+         '--total_rounds (a string where it takes an integer): the file is '
+         'damaged', setup=edit_hparams(total_rounds='abc')),
+    # Resumed (and evaluate, export read the run) as if it were not there.
+    Case('resume_with_an_unknown_key_in_hparams', 'train', resume_base(),
+         lambda p: f'{p.base}/hparams.json: \'client_lerning_rate\' is no flag '
+         'of this pipeline (binaries.train writes only flags there): the '
+         'file is damaged', setup=edit_hparams(client_lerning_rate=0.5)),
+    Case('evaluate_with_an_unknown_key_in_hparams', 'evaluate', of_base(),
+         lambda p: f'{p.base}/hparams.json: \'bogus\' is no flag of this '
+         'pipeline (binaries.train writes only flags there): the file is '
+         'damaged', setup=edit_hparams(bogus=1)),
+    # It advised deleting the checkpoint "to resume from an earlier one",
+    # which holds FedAvg's state too.
+    Case('resume_with_another_algorithm_allowed', 'train',
+         resume_base('--allow_flag_changes', '--algorithm=scaffold'),
+         lambda p: f'checkpoint {p.base}/checkpoints/round_3 holds a state '
+         'that the changed flags cannot continue (ValueError): --algorithm '
+         '(run: "fedavg", now: "scaffold"), --client_weighting (run: '
+         '"num_examples", now: "uniform"); repeat the run\'s values, or train '
+         'with the new ones under a new --experiment_name'),
     Case('metrics_garbage', 'train', resume_base(),
          lambda p: f'{p.base}/metrics.csv does not start with a round_num '
          'column' + NOT_METRICS,
@@ -676,6 +705,12 @@ CASES = [
          lambda p: '--conformal needs a classifier of one class per example; '
          '--task=fedres_toy is not one (its loss is QuadraticLinearLoss, not a '
          'cross-entropy)', setup=edit_hparams('fedres', task='fedres_toy')),
+    # It served the initial local model, with a note.
+    Case('serve_empty_client_id', 'serve_personalized',
+         lambda p: [f'--export_dir={p.fedres}/export', '--client_id=',
+                    f'--inputs_npy={p.root}/inputs.npy'],
+         lambda p: '--client_id is empty; name the client whose local model '
+         'to use', setup=copy_fedres_export),
     Case('serve_wrongly_shaped_input', 'serve_personalized',
          serve('fedres/export'),
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '

@@ -151,6 +151,18 @@ def test_unusable_run_root_is_one_clear_error(rounds, tmp_path, make_root,
       f'error: --run_root={root} {problem}'), result.stderr
 
 
+@pytest.mark.skipif(not os.access('/proc', os.W_OK | os.X_OK),
+                    reason='/proc is writable by its mode only for root')
+def test_a_run_root_that_holds_no_directory_is_an_environment_fault(
+    rounds):
+  # Writable by its mode, but the kernel makes nothing in /proc: the first
+  # measurement's mkdtemp was a FileNotFoundError traceback.
+  result = rounds('--quick', '--run_root=/proc')
+  assert (result.returncode, result.stderr) == (
+      3, "error: --run_root=/proc cannot hold the runs' directories (No such "
+      'file or directory); use another --run_root\n')
+
+
 @pytest.mark.parametrize('state, megabytes', [('scaffold', '5.4'),
                                               ('fedres_avg', '6.1'),
                                               ('scaffold_factored', '0.8')])

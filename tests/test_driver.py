@@ -199,6 +199,17 @@ def test_a_checkpoint_removed_while_read_is_named_so(tmp_path):
   with pytest.raises(UsageError, match='round_1 is corrupted or incompatible'):
     checkpoints.load(1, driver.program_state_structure(
         _StateOnly([np.zeros([3], np.float32)]), 1, 0, False))
+  # A resume that changed flags (e.g. --algorithm, allowed): an earlier
+  # checkpoint holds the run's state too. It advised deleting this one.
+  with pytest.raises(UsageError) as error:
+    checkpoints.load(1, driver.program_state_structure(
+        _StateOnly([np.zeros([3], np.float32)]), 1, 0, False),
+                     changed_flags='--algorithm (run: "a", now: "b")')
+  assert str(error.value) == (
+      f'checkpoint {tmp_path}/checkpoints/round_1 holds a state that the '
+      'changed flags cannot continue (a tensor of shape [2] where these flags '
+      'make [3]): --algorithm (run: "a", now: "b"); repeat the run\'s '
+      'values, or train with the new ones under a new --experiment_name')
   shutil.rmtree(tmp_path / 'checkpoints' / 'round_1')
   with pytest.raises(UsageError,
                      match='round_1 was removed while it was read: the run is '

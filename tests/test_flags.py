@@ -1,6 +1,8 @@
 """Flag validation that needs no training run."""
 
 import inspect
+import json
+import os
 import re
 
 import pytest
@@ -95,3 +97,64 @@ def test_clients_per_round_defaults_to_at_most_the_population(
   parsed_flags(*args)
   flags_lib.apply_built_task_defaults(task)
   assert flags.FLAGS.clients_per_round == expected
+
+
+@pytest.mark.parametrize('key,value,why', [
+    # A resume reported these as changed flags (run: "abc", now: 0).
+    ('seed', 'abc', 'a string where it takes an integer'),
+    ('client_learning_rate', [1, 2], 'a list where it takes a number'),
+    # absl's parsers take a string of any flag, and 1 for True.
+    ('client_learning_rate', '0.5', 'a string where it takes a number'),
+    ('clients_per_round', True, 'true/false where it takes an integer'),
+    ('use_synthetic_data', 1, 'a number where it takes true/false'),
+    ('clients_per_round', None, 'null where it takes an integer'),
+    ('total_rounds', 'abc', 'a string where it takes an integer'),
+    ('runtime', 'gpu', 'value should be one of <tff|native>'),
+])
+def test_a_stored_value_no_flag_takes_is_a_damaged_hparams_json(key, value,
+                                                                 why):
+  hparams = {**flags_lib.all_values(), key: value}
+  with pytest.raises(UsageError) as error:
+    flags_lib.check_stored_values(hparams, 'run/hparams.json')
+  assert str(error.value) == (
+      f'run/hparams.json: {key}={json.dumps(value)} is not a valid --{key} '
+      f'({why}): the file is damaged')
+
+
+def test_an_unknown_key_is_a_damaged_hparams_json():
+  # It was accepted on resume, and ignored by evaluate and export.
+  hparams = {**flags_lib.all_values(), 'client_lerning_rate': 0.5}
+  with pytest.raises(UsageError) as error:
+    flags_lib.check_stored_values(hparams, 'run/hparams.json')
+  assert str(error.value) == (
+      "run/hparams.json: 'client_lerning_rate' is no flag of this pipeline "
+      '(binaries.train writes only flags there): the file is damaged')
+  with pytest.raises(UsageError, match='task_defaults_applied must be an '
+                     'object'):
+    flags_lib.check_stored_values({'task_defaults_applied': 3}, 'h')
+
+
+def test_what_train_writes_and_older_versions_wrote_is_accepted():
+  # Defaults of None; the keys that are no flag; --client_state_store, a
+  # flag until 2026-11-23 (a run of then holds it).
+  flags_lib.check_stored_values(
+      {**flags_lib.all_values(), 'client_learning_rate': 1,
+       'task_defaults_applied': {'client_steps': 2},
+       'flag_changes': [{'from_round': 2, 'changes': {}}],
+       'client_state_store': 'sqlite'}, 'run/hparams.json')
+
+
+def test_a_run_is_read_where_it_is_found(parsed_flags, tmp_path, monkeypatch):
+  # Copied under the default --root_output_dir (runs/): evaluate read the
+  # checkpoints of, and wrote its report into, the run at the root
+  # hparams.json records, which may be another run.
+  from binaries import restore  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  parsed_flags('--experiment_name=copy')
+  os.makedirs('runs/copy')
+  with open('runs/copy/hparams.json', 'w') as f:
+    json.dump({**flags_lib.all_values(), 'task': 'digits',
+               'algorithm': 'fedavg', 'experiment_name': 'original',
+               'root_output_dir': str(tmp_path / 'elsewhere')}, f)
+  restore.load_run_flags()
+  assert restore.run_dir() == 'runs/copy'

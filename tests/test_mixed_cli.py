@@ -124,6 +124,20 @@ def test_plot_refuses_a_damaged_metrics_file(tmp_path, content, error):
                        f'{tmp_path / "a" / "metrics.csv"} {error}')
 
 
+def test_plot_refuses_math_text_matplotlib_cannot_parse(tmp_path):
+  # savefig raised matplotlib's parse error: a traceback, status 1.
+  _write_run(tmp_path / 'a', [0.5])
+  output = tmp_path / 'x.png'
+  result = _run('binaries.plot', str(tmp_path / 'a'), '--metric=eval/auc',
+                f'--output={output}', '--labels=$\\foo$',
+                '--title=$\\eta$ of 5\\$')
+  assert (result.returncode, result.stderr) == (
+      2, "error: the label '$\\foo$' is not text matplotlib can draw: "
+      'between two $ it is math (ParseFatalException: Unknown symbol: \\foo, '
+      "found '\\'  (at char 0), (line:1, col:1)); write a $ as \\$\n")
+  assert not output.exists()
+
+
 @pytest.mark.parametrize('output', ['file/x.png', 'dir.png'])
 def test_plot_refuses_an_output_it_cannot_write(tmp_path, output):
   _write_run(tmp_path / 'a', [0.5])

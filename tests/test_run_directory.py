@@ -147,6 +147,22 @@ def test_damaged_hparams_json(tmp_path, content, message):
     run_directory.check_resume(str(tmp_path), 2, STORED)
 
 
+def test_a_damaged_hparams_json_is_refused_before_it_is_compared(tmp_path):
+  # A value no flag takes was reported as a changed flag.
+  write_run(tmp_path, {**STORED, 'seed': [1]})
+
+  def check_stored(stored, path):
+    if not isinstance(stored['seed'], int):
+      raise UsageError(f'{path}: seed is damaged')
+  with pytest.raises(UsageError, match=r'hparams.json: seed is damaged$'):
+    run_directory.check_resume(str(tmp_path), 2, STORED,
+                               check_stored=check_stored)
+  # flag_changes too, and without --allow_flag_changes.
+  write_run(tmp_path, {**STORED, 'flag_changes': 5})
+  with pytest.raises(UsageError, match='flag_changes must be a list'):
+    run_directory.check_resume(str(tmp_path), 2, STORED)
+
+
 def test_rows_without_a_checkpoint_are_refused(tmp_path):
   write_run(tmp_path)
   with pytest.raises(UsageError, match='has no checkpoint to resume'):
