@@ -53,11 +53,16 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 from binaries import app  # pylint: disable=g-bad-import-order
 from pipeline.errors import UsageError
 
-_CLIENTS = flags.DEFINE_integer('clients_per_round', 100, 'Clients a round.')
-_STEPS = flags.DEFINE_integer('client_steps', 2, 'K, local steps a client.')
-_BATCH = flags.DEFINE_integer('client_batch_size', 5, 'Examples a step.')
-_ROUNDS = flags.DEFINE_integer('rounds', 5, 'Timed rounds a repeat.')
-_REPEATS = flags.DEFINE_integer('repeats', 3, 'Alternated repeats.')
+
+def _define_flags() -> None:
+  """The program's flags; defined when it runs, so that the module imports
+  beside others that define flags of these names (the tests')."""
+  flags.DEFINE_integer('clients_per_round', 100, 'Clients a round.')
+  flags.DEFINE_integer('client_steps', 2, 'K, local steps a client.')
+  flags.DEFINE_integer('client_batch_size', 5, 'Examples a step.')
+  flags.DEFINE_integer('rounds', 5, 'Timed rounds a repeat.')
+  flags.DEFINE_integer('repeats', 3, 'Alternated repeats.')
+
 
 PIXELS, HIDDEN, LOCAL_HIDDEN = 84 * 84 * 3, 64, 8
 # benchmarks.rounds' learning rates (eta, lambda); FedRes's population N
@@ -329,28 +334,29 @@ def main(argv):
   # jax 0.4.13 warns that it found no GPU or TPU even when told to use the
   # CPU alone.
   logging.getLogger('jax._src.xla_bridge').setLevel(logging.ERROR)
-  for name, flag in (('clients_per_round', _CLIENTS),
-                     ('client_steps', _STEPS), ('client_batch_size', _BATCH),
-                     ('rounds', _ROUNDS), ('repeats', _REPEATS)):
-    if flag.value < 1:
-      raise UsageError(f'--{name} must be >= 1, got {flag.value}')
-  steps, batch = _STEPS.value, _BATCH.value
+  values = flags.FLAGS
+  for name in ('clients_per_round', 'client_steps', 'client_batch_size',
+               'rounds', 'repeats'):
+    if values[name].value < 1:
+      raise UsageError(f'--{name} must be >= 1, got {values[name].value}')
+  clients, steps, batch = (values.clients_per_round, values.client_steps,
+                           values.client_batch_size)
   for algorithm in ALGORITHMS:
     check(algorithm, steps, batch)
   print('each round checked against a float64 reference on 3 clients',
         flush=True)
   import jax  # pylint: disable=g-import-not-at-top
-  workload = Workload(_CLIENTS.value, steps, batch)
+  workload = Workload(clients, steps, batch)
   runs = {}
   for algorithm in ALGORITHMS:
     inputs = jax.device_put(_inputs(algorithm, workload))
-    runs[algorithm] = (compiled_round(algorithm, _CLIENTS.value, steps,
-                                      batch), inputs)
+    runs[algorithm] = (compiled_round(algorithm, clients, steps, batch),
+                       inputs)
   seconds = {algorithm: [] for algorithm in ALGORITHMS}
-  for repeat in range(_REPEATS.value):
+  for repeat in range(values.repeats):
     order = ALGORITHMS if repeat % 2 == 0 else ALGORITHMS[::-1]
     for algorithm in order:
-      seconds[algorithm].append(_timed(*runs[algorithm], _ROUNDS.value))
+      seconds[algorithm].append(_timed(*runs[algorithm], values.rounds))
   for algorithm in ALGORITHMS:
     ratios = [a / b for a, b in zip(seconds[algorithm], seconds['fedavg'])]
     print(f'{algorithm:21s} {statistics.median(seconds[algorithm]):.3f} '
@@ -360,4 +366,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _define_flags()
   app.run(main)
