@@ -32,6 +32,8 @@ OPTIONS = ('movielens_dir',)
 RATINGS_FILE = movielens_files.ML_100K_RATINGS
 MOVIES_FILE = 'u.item'
 NUM_GENRES = 19
+# id|title|release date|video release date|IMDb URL|19 genre flags.
+ITEM_FIELDS = 5 + NUM_GENRES
 TEST_FRACTION = 0.2
 EMBEDDING_DIM = 8
 HIDDEN_UNITS = 16
@@ -62,12 +64,27 @@ def load_genres(movielens_dir: str) -> np.ndarray:
     for line_number, line in enumerate(f, 1):
       if not line.strip():
         continue
-      fields = line.rstrip('\n').split('|')
+      # A line cut short (no newline, or fewer fields) read its last fields
+      # as genre flags, or stopped the run with numpy's traceback; a flag
+      # other than 0/1 or a movie listed twice trained silently.
+      fields = line.rstrip('\r\n').split('|')
       try:
-        rows[int(fields[0])] = [int(flag) for flag in fields[-NUM_GENRES:]]
-      except (ValueError, IndexError) as e:
+        if not line.endswith('\n'):
+          raise ValueError('the file\'s last line has no newline (cut off '
+                           'mid-line)')
+        if len(fields) != ITEM_FIELDS:
+          raise ValueError(f'{len(fields)} fields, not {ITEM_FIELDS}')
+        movie = int(fields[0])
+        flags = [int(flag) for flag in fields[-NUM_GENRES:]]
+        if not set(flags) <= {0, 1}:
+          raise ValueError('a genre flag is not 0 or 1')
+        if movie in rows:
+          raise ValueError(f'movie {movie} is listed twice')
+        rows[movie] = flags
+      except ValueError as e:
         raise UsageError(f'{path}:{line_number} is not in the u.item format '
-                         f'(id|title|...|{NUM_GENRES} genre flags)') from e
+                         f'(id|title|...|{NUM_GENRES} genre flags): {e}'
+                         ) from e
   if not rows:
     raise UsageError(f'{path} lists no movies (u.item format)')
   for movie in (min(rows), max(rows)):

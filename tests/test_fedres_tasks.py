@@ -52,10 +52,18 @@ def _write_movielens(directory):
     ([], 'lists no movies'),
     (['99999999999999|T|d||u' + '|0' * 19], 'has movie id 99999999999999'),
     (['-1|T|d||u' + '|0' * 19], 'has movie id -1'),
+    # Each trained silently on wrong genre rows (or was numpy's traceback).
+    (['1|0|1'], r'u.item:1 is not in the u.item format .*: 3 fields, not 24'),
+    (['1|T|d||u' + '|5' * 19], r':1 .*: a genre flag is not 0 or 1'),
+    (['1|T|d||u' + '|0' * 19, '1|T|d||u' + '|1' * 19],
+     r':2 .*: movie 1 is listed twice'),
+    (['1|T|d||u' + '|0' * 19, '2|T|d||u' + '|0' * 19 + '\x00'],
+     r':2 .*: the file\'s last line has no newline'),
 ])
 def test_damaged_movie_lists_are_usage_errors(tmp_path, lines, message):
-  (tmp_path / 'u.item').write_text(''.join(l + '\n' for l in lines),
-                                   encoding='latin-1')
+  (tmp_path / 'u.item').write_text(
+      ''.join(l + '\n' for l in lines).replace('\x00\n', ''),
+      encoding='latin-1')
   with pytest.raises(UsageError, match=message):
     movielens_ratings.load_genres(str(tmp_path))
 
