@@ -96,16 +96,19 @@ def require_text_client_ids(database: str, splits: Sequence[str]) -> None:
     try:
       connection.text_factory = bytes
       rows = connection.execute(
-          'SELECT split_name, client_id, typeof(client_id) = \'blob\' FROM '
+          'SELECT split_name, client_id, typeof(client_id) FROM '
           'client_metadata WHERE split_name IN '
           f'({", ".join("?" * len(splits))})', tuple(splits)).fetchall()
     finally:
       connection.close()
   except sqlite3.Error:
     return
-  for split, client_id, is_blob in rows:
-    if is_blob:
+  for split, client_id, kind in rows:
+    if kind == b'blob':
       shown = f"x'{client_id.hex()}' (a blob, not text)"
+    elif kind != b'text':
+      # An integer or real id was an AttributeError traceback here.
+      shown = f'{client_id!r} (of SQLite type {kind.decode()}, not text)'
     else:
       try:
         client_id.decode('utf-8')

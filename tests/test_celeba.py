@@ -183,13 +183,21 @@ def test_client_ids_tff_cannot_look_up_are_usage_errors(tmp_path, client_id,
     ("x'6869'", "x'6869' (a blob, not text)"),
     # SQLite: "Could not decode to UTF-8 column 'client_id' with text '\ufffdA'".
     ("CAST(x'ff41' AS TEXT)", "b'\\xffA' (not UTF-8)"),
-], ids=['blob', 'utf8_blob', 'not_utf8_text'])
+    # In a column declared without a type: an AttributeError traceback.
+    ('5', '5 (of SQLite type integer, not text)'),
+    ('2.5', '2.5 (of SQLite type real, not text)'),
+], ids=['blob', 'utf8_blob', 'not_utf8_text', 'integer', 'real'])
 def test_a_client_id_that_is_not_text_is_named(tmp_path, stored, shown):
   import sqlite3  # pylint: disable=g-import-not-at-top
   example = celeba_fixture._example(np.random.default_rng(1), True)  # pylint: disable=protected-access
 
   def add_client(path):
     with sqlite3.connect(path) as connection:
+      # Its columns without a type: SQLite keeps numbers as numbers.
+      connection.execute('ALTER TABLE client_metadata RENAME TO typed')
+      connection.execute('CREATE TABLE client_metadata (client_id, '
+                         'split_name, num_examples)')
+      connection.execute('INSERT INTO client_metadata SELECT * FROM typed')
       connection.execute('INSERT INTO examples VALUES '
                          f'(\'split_by_clients_test\', {stored}, ?)', (example,))
       connection.execute(f'INSERT INTO client_metadata VALUES ({stored}, '
