@@ -123,7 +123,10 @@ def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
   try:
     status = main()
   except UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
+    # A run kept under --root_output_dir is named by it (in-process runs'
+    # refusals said to pass a new --experiment_name).
+    message = app.advice_for_experiments(str(e)) if runs_kept else str(e)
+    print(f'error: {message}', file=sys.stderr)
     status = app.EXIT_USAGE
   except KeyboardInterrupt:
     if runs_kept:

@@ -109,6 +109,32 @@ def test_summarize_only_without_runs_is_one_error_line(tmp_path):
       '--summarize_only)\n')
 
 
+def test_an_in_process_runs_refusal_names_the_root_output_dir(
+    monkeypatch, capsys):
+  # The driver's advice (a new --experiment_name, --allow_flag_changes)
+  # names flags an experiment does not take.
+  from experiments import cli  # pylint: disable=g-import-not-at-top
+  from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
+  for module, name in ((cli.tff_runtime, 'install_shutdown_hooks'),
+                       (cli.private_temp, 'use_private_temp_dir'),
+                       (cli.app, 'remove_temp_dir_on_fatal_signals')):
+    monkeypatch.setattr(module, name, lambda: None)
+
+  def main():
+    raise UsageError('runs/a was trained with other values of flags that '
+                     'change results: --seed (run: 0, now: 1); repeat the '
+                     'run\'s values, use a new --experiment_name, or pass '
+                     '--allow_flag_changes to continue with the new ones')
+
+  with pytest.raises(SystemExit) as raised:
+    cli.run_main(main)
+  assert raised.value.code == 2
+  assert capsys.readouterr().err == (
+      'error: runs/a was trained with other values of flags that change '
+      'results: --seed (run: 0, now: 1); repeat the run\'s values, or use '
+      'another --root_output_dir\n')
+
+
 def test_a_failing_training_ends_the_experiment_with_its_status(tmp_path):
   # train's own error line was followed by a CalledProcessError traceback.
   result = run('experiments.scaffold_digits', f'--root_output_dir={tmp_path}',

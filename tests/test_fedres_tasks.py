@@ -221,15 +221,43 @@ def test_residual_wrappers_share_the_global_weights():
 
 
 def test_fedres_movielens_setting_errors_are_one_error_line(tmp_path):
-  # A negative or NaN learning rate was a SettingError traceback, status 1.
+  # A negative or NaN learning rate was a SettingError traceback, status 1;
+  # then one line, but only after the runs before (FedAvg's) had trained.
   _write_movielens(str(tmp_path))
   result = subprocess.run(
       [sys.executable, '-m', 'experiments.fedres_movielens',
        f'--movielens_dir={tmp_path}', f'--root_output_dir={tmp_path}/runs',
-       '--rounds=1', '--algorithms=fedres_avg', '--local_learning_rate=-1'],
+       '--rounds=1', '--algorithms=fedavg,fedres_avg',
+       '--local_learning_rate=-1'],
       cwd=lib.REPO, env=lib.environment(), capture_output=True, text=True,
       timeout=600, check=False)
   assert (result.returncode, lib.error_lines(result)) == (
       2, ['error: --local_learning_rate must be a finite number >= 0, got '
           '-1.0']), result.stderr[-3000:]
   assert 'Traceback' not in result.stderr
+  assert not (tmp_path / 'runs').exists()
+
+
+def test_fedres_movielens_reruns_report_their_runs_or_refuse_other_flags(
+    tmp_path, monkeypatch, capsys):
+  # A re-run of finished runs was a KeyError traceback; one with another
+  # --client_learning_rate resumed them with it, unrecorded.
+  from experiments import fedres_movielens  # pylint: disable=g-import-not-at-top
+  _write_movielens(str(tmp_path))
+
+  def run(*flags):
+    monkeypatch.setattr(sys, 'argv', [
+        'fedres_movielens', f'--movielens_dir={tmp_path}',
+        f'--root_output_dir={tmp_path}/runs', '--rounds=1',
+        '--clients_per_round=2', '--client_steps=1',
+        '--algorithms=fedavg,fedres_avg', *flags])
+    fedres_movielens.main()
+    return [l for l in capsys.readouterr().out.splitlines() if 'RMSE' in l]
+
+  reported = run()
+  assert len(reported) == 2 and 'personalized RMSE' in reported[1]
+  assert run() == reported
+  with pytest.raises(UsageError, match=(
+      r'fedavg_seed0 was trained with other values of flags that change '
+      r'results: --client_learning_rate \(run: 0.1, now: 0.2\)')):
+    run('--client_learning_rate=0.2')
