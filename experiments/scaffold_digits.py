@@ -82,6 +82,14 @@ def summarize(args) -> dict:
                                run_name(algorithm, steps, learning_rate))
         losses = read_curve(run_dir, 'eval_train/loss')
         accuracy = read_curve(run_dir, 'eval/accuracy')
+        if len(losses) < args.total_rounds:
+          # A run the experiment's interruption left short was summarized
+          # as if finished (its claims judged on it), or, without a round,
+          # an IndexError traceback.
+          raise UsageError(
+              f'{run_dir} has {len(losses)} rounds, fewer than the '
+              f'{args.total_rounds} summarized (--total_rounds); train it '
+              'first (leave out --summarize_only)')
         reached = next((i + 1 for i, v in enumerate(losses)
                         if v <= args.target_loss), None)
         rows[algorithm, steps, learning_rate] = dict(
