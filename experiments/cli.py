@@ -32,6 +32,16 @@ def _finite_float(text: str) -> float:
   return value
 
 
+def finite_number(text: str) -> float:
+  """An argparse `type`: a finite float (a NaN margin or target was taken,
+  and every comparison with it failed)."""
+  try:
+    return _finite_float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not a finite number') from None
+
+
 def comma_list(kind: type) -> Callable[[str], list]:
   """An argparse `type` of comma-separated ints or (finite) floats (`kind`
   int, float, or positive_int); a bad item was a ValueError traceback after

@@ -181,7 +181,7 @@ def main() -> int:
   parser.add_argument('--num_clients', type=int, default=100)
   parser.add_argument('--clients_per_round', type=int, default=20)
   parser.add_argument('--client_batch_size', type=int, default=3)
-  parser.add_argument('--target_loss', type=float, default=0.5)
+  parser.add_argument('--target_loss', type=cli.finite_number, default=0.5)
   parser.add_argument('--seed', type=cli.seed, default=0)
   parser.add_argument('--summarize_only', action='store_true',
                       help='Print the table of existing runs; train nothing.')

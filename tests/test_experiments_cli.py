@@ -44,6 +44,12 @@ def run(module, *args):
     ('experiments.fedres_logistic', ['--heterogeneities=nan'],
      "argument --heterogeneities: 'nan' is not a comma-separated list of "
      'finite numbers'),
+    # Every mixed run "FAILED" the check against a NaN margin (exit 1,
+    # after training all five runs); a NaN target loss was never reached.
+    ('experiments.celeba_mixed', ['--check_margin=nan'],
+     "argument --check_margin: 'nan' is not a finite number"),
+    ('experiments.scaffold_digits', ['--target_loss=inf'],
+     "argument --target_loss: 'inf' is not a finite number"),
     # argparse's usage block and `prog: error:` line.
     ('experiments.celeba_mixed', ['--bogus'],
      'unrecognized arguments: --bogus'),
