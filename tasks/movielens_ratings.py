@@ -143,6 +143,7 @@ def temporal_split(ratings: dict[str, np.ndarray],
 def build_task(config: base.DataConfig) -> base.Task:
   if config.use_synthetic_data:
     ratings, genres = synthetic_data(config.seed)
+    source = 'the synthetic ratings'
   else:
     movielens_dir = config.options.get('movielens_dir')
     if not movielens_dir:
@@ -153,11 +154,19 @@ def build_task(config: base.DataConfig) -> base.Task:
       raise UsageError(f'--movielens_dir={movielens_dir} '
                        f'{not_a_directory(movielens_dir)}')
     ratings, genres = load_ratings(movielens_dir), load_genres(movielens_dir)
+    source = os.path.join(movielens_dir, RATINGS_FILE)
   if ratings['movie'].max() >= len(genres) or ratings['movie'].min() < 1:
     raise UsageError('u.data rates movie ids missing from u.item')
   if ratings['user'].min() < 0:
     raise UsageError('u.data has negative user ids')
   train_mask, test_mask = temporal_split(ratings)
+  if not test_mask.any():
+    # The run trained, then evaluation failed on no data (Keras'
+    # "Expected input data to be non-empty" traceback).
+    raise UsageError(f'{source}: no user '
+                     'has two or more ratings, so none is held out to '
+                     'evaluate on (a user\'s latest ratings are its test '
+                     'data)')
 
   def arrays(mask):
     return client_arrays.ClientArrays(ratings['user'][mask], {

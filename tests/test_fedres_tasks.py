@@ -148,6 +148,19 @@ def test_movielens_serving_refuses_movie_ids_beyond_the_table(
     server('1', np.array([1, 2**32], np.int64))
 
 
+def test_movielens_users_of_one_rating_each_are_a_usage_error(tmp_path):
+  # Nothing held out: the run trained, then evaluation was Keras'
+  # "Expected input data to be non-empty" traceback.
+  directory = _write_movielens(tmp_path)
+  with open(os.path.join(directory, 'u.data'), 'w') as f:
+    f.write('1\t3\t4\t880000300\n2\t1\t1\t880000900\n')
+  with pytest.raises(UsageError, match=(
+      r'^.*/u.data: no user has two or more ratings, so none is held out to '
+      'evaluate on')):
+    movielens_ratings.build_task(base.DataConfig(
+        options={'movielens_dir': directory}))
+
+
 def test_movielens_bad_directories_are_usage_errors(tmp_path):
   def build(directory):
     return movielens_ratings.build_task(
