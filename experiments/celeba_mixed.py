@@ -79,7 +79,8 @@ def main():
   if args.use_synthetic_data:
     extra_flags.append('--use_synthetic_data')
   if args.cache_dir:
-    extra_flags.append(f'--cache_dir={os.path.expanduser(args.cache_dir)}')
+    extra_flags.append(
+        f'--cache_dir={os.path.abspath(os.path.expanduser(args.cache_dir))}')
   names = args.runs.split(',')
   unknown = [name for name in names if name not in [r[0] for r in RUNS]]
   if unknown:
