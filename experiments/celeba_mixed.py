@@ -67,7 +67,7 @@ def main():
   parser.add_argument('--runs', default=','.join(r[0] for r in RUNS),
                       help='Comma-separated subset of the runs.')
   parser.add_argument(
-      '--check_margin', type=float, default=None,
+      '--check_margin', type=cli.finite_number, default=None,
       help='Exit 1 unless every mixed run ends with an eval AUC at least '
       'this much above fl_only\'s.')
   args = parser.parse_args()
@@ -79,7 +79,8 @@ def main():
   if args.use_synthetic_data:
     extra_flags.append('--use_synthetic_data')
   if args.cache_dir:
-    extra_flags.append(f'--cache_dir={os.path.expanduser(args.cache_dir)}')
+    extra_flags.append(
+        f'--cache_dir={os.path.abspath(os.path.expanduser(args.cache_dir))}')
   names = args.runs.split(',')
   unknown = [name for name in names if name not in [r[0] for r in RUNS]]
   if unknown:

@@ -32,6 +32,16 @@ def _finite_float(text: str) -> float:
   return value
 
 
+def finite_number(text: str) -> float:
+  """An argparse `type`: a finite float (a NaN margin or target was taken,
+  and every comparison with it failed)."""
+  try:
+    return _finite_float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not a finite number') from None
+
+
 def comma_list(kind: type) -> Callable[[str], list]:
   """An argparse `type` of comma-separated ints or (finite) floats (`kind`
   int, float, or positive_int); a bad item was a ValueError traceback after
@@ -123,7 +133,10 @@ def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
   try:
     status = main()
   except UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
+    # A run kept under --root_output_dir is named by it (in-process runs'
+    # refusals said to pass a new --experiment_name).
+    message = app.advice_for_experiments(str(e)) if runs_kept else str(e)
+    print(f'error: {message}', file=sys.stderr)
     status = app.EXIT_USAGE
   except KeyboardInterrupt:
     if runs_kept:

@@ -13,13 +13,30 @@ step 1. Printed on the held-out ratings:
   sampled get theta fitted for K steps on their train ratings), and of its
   global model alone.
 Run directories (metrics.csv, export/ with the local models) stay under
---root_output_dir.
+--root_output_dir: a re-run resumes them (more --rounds), reports those
+already at --rounds from their metrics.csv, and refuses runs trained with
+other flags (one error line).
 """
 
+import csv
 import os
 
 from experiments import cli
 from pipeline import tff_runtime
+
+# The flags that change a run's results (its hparams.json, compared when a
+# run resumes; its algorithm and seed name the run).
+RESULT_FLAGS = ('clients_per_round', 'client_steps', 'client_learning_rate',
+                'local_learning_rate')
+
+
+def final_metrics(run_dir: str, round_num: int) -> dict[str, float]:
+  """The metrics of round `round_num` in the run's metrics.csv (a run
+  evaluates its last round), also for a run a re-run found finished."""
+  with open(os.path.join(run_dir, 'metrics.csv'), newline='') as f:
+    (row,) = [row for row in csv.DictReader(f)
+              if int(row['round_num']) == round_num]
+  return {name: float(value) for name, value in row.items() if value}
 
 
 def main():
@@ -61,19 +78,30 @@ def main():
     return registry.settings_class(name)(
         client_learning_rate=args.client_learning_rate)
 
+  # Every run's settings are checked before the first trains (a bad
+  # --local_learning_rate was refused after FedAvg's run).
+  algorithms = [(name, registry.build(name, task, settings(name)))
+                for name in args.algorithms.split(',')]
   print(f'movielens_ratings: {task.num_train_clients} users, '
         f'{args.rounds} rounds x {args.clients_per_round} users, '
         f'K={args.client_steps}, batch 16, eta={args.client_learning_rate}, '
         f'lambda={args.local_learning_rate}', flush=True)
-  for name in args.algorithms.split(','):
-    algorithm = registry.build(name, task, settings(name))
+  for name, algorithm in algorithms:
     run = driver.RunConfig(
         root_output_dir=args.root_output_dir,
         experiment_name=f'{name}_seed{args.seed}', total_rounds=args.rounds,
         clients_per_round=args.clients_per_round,
         rounds_per_eval=max(1, args.rounds // 4),
         rounds_per_checkpoint=max(1, args.rounds // 4), seed=args.seed)
-    metrics = driver.train(algorithm, task, run).last_metrics
+    # A re-run resumes its runs; one with other flags is refused (it went
+    # on with the new values, unrecorded), and a finished one (no round
+    # left, so no metrics from training: a KeyError traceback) reports
+    # what it logged.
+    driver.train(algorithm, task, run,
+                 hparams={flag: getattr(args, flag) for flag in RESULT_FLAGS},
+                 hparams_defaults={flag: parser.get_default(flag)
+                                   for flag in RESULT_FLAGS})
+    metrics = final_metrics(run.run_dir, args.rounds)
     line = (f'{name:>11}: global-only RMSE {metrics["eval/rmse"]:.4f} '
             f'(MAE {metrics["eval/mae"]:.4f})')
     if 'eval_personalized/rmse' in metrics:
@@ -87,6 +115,6 @@ def main():
 
 if __name__ == '__main__':
   try:
-    cli.run_main(main, runs_kept=False)
+    cli.run_main(main)
   finally:
     tff_runtime.shutdown_workers()

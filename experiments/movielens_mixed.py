@@ -95,6 +95,9 @@ def main():
                       help='default: the task\'s (S=100)')
   parser.add_argument('--seed', type=cli.seed, default=0)
   args = parser.parse_args()
+  # The binaries run from the repository root: a relative directory was
+  # theirs there and the summary's here (an IndexError traceback).
+  args.root_output_dir = os.path.abspath(args.root_output_dir)
   if args.rounds_per_eval is None:
     args.rounds_per_eval = max(1, args.total_rounds // 5)
   if args.use_synthetic_data:

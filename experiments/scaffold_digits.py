@@ -82,6 +82,14 @@ def summarize(args) -> dict:
                                run_name(algorithm, steps, learning_rate))
         losses = read_curve(run_dir, 'eval_train/loss')
         accuracy = read_curve(run_dir, 'eval/accuracy')
+        if len(losses) < args.total_rounds:
+          # A run the experiment's interruption left short was summarized
+          # as if finished (its claims judged on it), or, without a round,
+          # an IndexError traceback.
+          raise UsageError(
+              f'{run_dir} has {len(losses)} rounds, fewer than the '
+              f'{args.total_rounds} summarized (--total_rounds); train it '
+              'first (leave out --summarize_only)')
         reached = next((i + 1 for i, v in enumerate(losses)
                         if v <= args.target_loss), None)
         rows[algorithm, steps, learning_rate] = dict(
@@ -173,7 +181,7 @@ def main() -> int:
   parser.add_argument('--num_clients', type=int, default=100)
   parser.add_argument('--clients_per_round', type=int, default=20)
   parser.add_argument('--client_batch_size', type=int, default=3)
-  parser.add_argument('--target_loss', type=float, default=0.5)
+  parser.add_argument('--target_loss', type=cli.finite_number, default=0.5)
   parser.add_argument('--seed', type=cli.seed, default=0)
   parser.add_argument('--summarize_only', action='store_true',
                       help='Print the table of existing runs; train nothing.')

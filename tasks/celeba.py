@@ -48,6 +48,9 @@ SYNTHETIC_TEST_CLIENTS = 12
 
 
 _PIXELS_PER_IMAGE = int(np.prod(IMAGE_SHAPE))
+# The message of the check on read pixels (binaries.app turns it into one
+# line).
+PIXELS_OUT_OF_RANGE = 'CelebA image pixel outside 0..255'
 
 
 def _synthetic_client_examples(client_id: tf.Tensor,
@@ -150,8 +153,9 @@ def _model_examples_fn(train, config: base.DataConfig) -> Callable:
   if config.use_synthetic_data:
     return functools.partial(_synthetic_client_examples,
                              columns=MODEL_COLUMNS)
+  # A pixel outside 0..255 (a damaged file) trained silently, exit 0.
   return lambda client_id: train.serializable_dataset_fn(client_id).map(
-      _model_columns)
+      _model_columns).map(_as_uint8_pixels)
 
 
 def _as_uint8_pixels(example):
@@ -168,7 +172,7 @@ def _as_uint8_pixels(example):
   narrow = tf.cast(image, tf.uint8)
   in_range = tf.debugging.assert_equal(
       tf.cast(narrow, image.dtype), image,
-      message='CelebA image pixel outside 0..255')
+      message=PIXELS_OUT_OF_RANGE)
   with tf.control_dependencies([in_range]):
     return dict(example, image=tf.identity(narrow))
 
@@ -251,8 +255,8 @@ def build_task(config: base.DataConfig) -> base.Task:
 
   def eval_datasets():
     # A fixed client order: eval batches (and so float sums) never change.
-    return {'': test.create_tf_dataset_from_all_clients(seed=0).batch(
-        config.eval_batch_size).map(_to_batch)}
+    return {'': test.create_tf_dataset_from_all_clients(seed=0).map(
+        _as_uint8_pixels).batch(config.eval_batch_size).map(_to_batch)}
 
   batch_spec = (tf.TensorSpec([None, *IMAGE_SHAPE], tf.float32),
                 tf.TensorSpec([None, 1], tf.float32))

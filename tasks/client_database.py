@@ -16,7 +16,9 @@ partition behind.
 """
 
 import atexit
+import fcntl
 import os
+import re
 import shutil
 import sqlite3
 import tempfile
@@ -96,16 +98,19 @@ def require_text_client_ids(database: str, splits: Sequence[str]) -> None:
     try:
       connection.text_factory = bytes
       rows = connection.execute(
-          'SELECT split_name, client_id, typeof(client_id) = \'blob\' FROM '
+          'SELECT split_name, client_id, typeof(client_id) FROM '
           'client_metadata WHERE split_name IN '
           f'({", ".join("?" * len(splits))})', tuple(splits)).fetchall()
     finally:
       connection.close()
   except sqlite3.Error:
     return
-  for split, client_id, is_blob in rows:
-    if is_blob:
+  for split, client_id, kind in rows:
+    if kind == b'blob':
       shown = f"x'{client_id.hex()}' (a blob, not text)"
+    elif kind != b'text':
+      # An integer or real id was an AttributeError traceback here.
+      shown = f'{client_id!r} (of SQLite type {kind.decode()}, not text)'
     else:
       try:
         client_id.decode('utf-8')
@@ -192,6 +197,52 @@ def materialize(
   return tff.simulation.datasets.SqlClientData(path, split_name=SPLIT_NAME)
 
 
+def _staging_file(path: str) -> tuple[str, int]:
+  """A new staging file beside `path` and a descriptor holding an
+  exclusive lock on it while this process writes it (the kernel frees the
+  lock when the process ends, however it ends)."""
+  staging = f'{path}.staging-{os.getpid()}'
+  # Locked before it takes its name: another process's clean-up could
+  # otherwise lock the new file and remove it.
+  unnamed = f'{staging}.new'
+  for leftover in (staging, f'{staging}-journal', unnamed):
+    if os.path.exists(leftover):
+      os.remove(leftover)
+  fd = os.open(unnamed, os.O_RDWR | os.O_CREAT, 0o644)
+  fcntl.flock(fd, fcntl.LOCK_EX)
+  os.rename(unnamed, staging)
+  return staging, fd
+
+
+def _remove_abandoned_staging_files(path: str) -> None:
+  """Removes the staging files (and SQLite journals) of builds of `path`
+  whose process has ended: a build SIGKILLed mid-write left hundreds of MB
+  (EMNIST's pooled examples) that no later run removed."""
+  directory, name = os.path.split(os.path.abspath(path))
+  pattern = re.compile(re.escape(name) + r'\.staging-\d+(-journal)?$')
+  for entry in sorted(os.listdir(directory)):
+    match = pattern.match(entry)
+    if not match:
+      continue
+    staged = os.path.join(directory, entry)
+    try:
+      fd = os.open(staged[:len(staged) - len(match.group(1) or '')],
+                   os.O_RDONLY)
+    except FileNotFoundError:
+      fd = None  # A journal whose file is gone.
+    if fd is not None:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError:
+        continue  # Its writer still runs.
+      finally:
+        os.close(fd)
+    try:
+      os.remove(staged)
+    except FileNotFoundError:
+      pass
+
+
 def _build(path, partition, serialized_examples, fingerprint):
   ids = client_ids(len(partition))
   num_pooled = 1 + max((int(p.max()) for p in partition if len(p)), default=-1)
@@ -201,9 +252,23 @@ def _build(path, partition, serialized_examples, fingerprint):
       raise ValueError('partition assigns an example to two clients')
     owner[indices] = client
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  staging = f'{path}.staging-{os.getpid()}'
-  if os.path.exists(staging):
-    os.remove(staging)
+  _remove_abandoned_staging_files(path)
+  staging, lock_fd = _staging_file(path)
+  try:
+    _write(staging, ids, partition, owner, num_pooled, serialized_examples,
+           fingerprint)
+    os.replace(staging, path)
+  except BaseException:
+    if os.path.exists(staging):
+      os.remove(staging)
+    raise
+  finally:
+    os.close(lock_fd)
+
+
+def _write(staging, ids, partition, owner, num_pooled, serialized_examples,
+           fingerprint):
+  """The client database of `partition` in the file `staging`."""
   connection = sqlite3.connect(staging)
   try:
     create_sql_client_data_tables(connection)
@@ -231,9 +296,5 @@ def _build(path, partition, serialized_examples, fingerprint):
     connection.execute(f'INSERT INTO {_FINGERPRINT_TABLE} VALUES (?)',
                        (fingerprint,))
     connection.commit()
-  except BaseException:
+  finally:
     connection.close()
-    os.remove(staging)
-    raise
-  connection.close()
-  os.replace(staging, path)

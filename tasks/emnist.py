@@ -210,6 +210,10 @@ def _load_real(config: base.DataConfig, only_digits: bool):
         only_digits=only_digits, cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
     raise load_error('EMNIST', database, e) from e
+  # Test clients are read by TFF's reader (an id with ' was a SQL syntax
+  # error at the first evaluation, after a round had trained); the train
+  # split is read here, by a query that takes any id.
+  client_database.require_readable_client_ids(database, (test,))
   client_database.require_examples(database, 'EMNIST', {
       TRAIN_SPLIT[only_digits]: 'train', TEST_SPLIT[only_digits]: 'test'})
   return (_SqliteSource(database, TRAIN_SPLIT[only_digits],

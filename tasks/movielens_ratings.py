@@ -32,6 +32,8 @@ OPTIONS = ('movielens_dir',)
 RATINGS_FILE = movielens_files.ML_100K_RATINGS
 MOVIES_FILE = 'u.item'
 NUM_GENRES = 19
+# id|title|release date|video release date|IMDb URL|19 genre flags.
+ITEM_FIELDS = 5 + NUM_GENRES
 TEST_FRACTION = 0.2
 EMBEDDING_DIM = 8
 HIDDEN_UNITS = 16
@@ -62,12 +64,27 @@ def load_genres(movielens_dir: str) -> np.ndarray:
     for line_number, line in enumerate(f, 1):
       if not line.strip():
         continue
-      fields = line.rstrip('\n').split('|')
+      # A line cut short (no newline, or fewer fields) read its last fields
+      # as genre flags, or stopped the run with numpy's traceback; a flag
+      # other than 0/1 or a movie listed twice trained silently.
+      fields = line.rstrip('\r\n').split('|')
       try:
-        rows[int(fields[0])] = [int(flag) for flag in fields[-NUM_GENRES:]]
-      except (ValueError, IndexError) as e:
+        if not line.endswith('\n'):
+          raise ValueError('the file\'s last line has no newline (cut off '
+                           'mid-line)')
+        if len(fields) != ITEM_FIELDS:
+          raise ValueError(f'{len(fields)} fields, not {ITEM_FIELDS}')
+        movie = int(fields[0])
+        flags = [int(flag) for flag in fields[-NUM_GENRES:]]
+        if not set(flags) <= {0, 1}:
+          raise ValueError('a genre flag is not 0 or 1')
+        if movie in rows:
+          raise ValueError(f'movie {movie} is listed twice')
+        rows[movie] = flags
+      except ValueError as e:
         raise UsageError(f'{path}:{line_number} is not in the u.item format '
-                         f'(id|title|...|{NUM_GENRES} genre flags)') from e
+                         f'(id|title|...|{NUM_GENRES} genre flags): {e}'
+                         ) from e
   if not rows:
     raise UsageError(f'{path} lists no movies (u.item format)')
   for movie in (min(rows), max(rows)):
@@ -126,6 +143,7 @@ def temporal_split(ratings: dict[str, np.ndarray],
 def build_task(config: base.DataConfig) -> base.Task:
   if config.use_synthetic_data:
     ratings, genres = synthetic_data(config.seed)
+    source = 'the synthetic ratings'
   else:
     movielens_dir = config.options.get('movielens_dir')
     if not movielens_dir:
@@ -136,11 +154,19 @@ def build_task(config: base.DataConfig) -> base.Task:
       raise UsageError(f'--movielens_dir={movielens_dir} '
                        f'{not_a_directory(movielens_dir)}')
     ratings, genres = load_ratings(movielens_dir), load_genres(movielens_dir)
+    source = os.path.join(movielens_dir, RATINGS_FILE)
   if ratings['movie'].max() >= len(genres) or ratings['movie'].min() < 1:
     raise UsageError('u.data rates movie ids missing from u.item')
   if ratings['user'].min() < 0:
     raise UsageError('u.data has negative user ids')
   train_mask, test_mask = temporal_split(ratings)
+  if not test_mask.any():
+    # The run trained, then evaluation failed on no data (Keras'
+    # "Expected input data to be non-empty" traceback).
+    raise UsageError(f'{source}: no user '
+                     'has two or more ratings, so none is held out to '
+                     'evaluate on (a user\'s latest ratings are its test '
+                     'data)')
 
   def arrays(mask):
     return client_arrays.ClientArrays(ratings['user'][mask], {

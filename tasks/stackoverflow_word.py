@@ -56,6 +56,11 @@ def _read_word_counts(path: str, vocab_size: int) -> collections.OrderedDict:
   try:
     with open(path) as f:
       for line in f:
+        if not line.endswith('\n'):
+          # Cut off mid-line, its last word or count could be cut short and
+          # still parse.
+          raise ValueError(f'its last line {line!r} has no newline (a write '
+                           'or copy cut off mid-line)')
         word, count = line.split()
         counts[word] = int(count)
         if len(counts) >= vocab_size:

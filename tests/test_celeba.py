@@ -183,13 +183,21 @@ def test_client_ids_tff_cannot_look_up_are_usage_errors(tmp_path, client_id,
     ("x'6869'", "x'6869' (a blob, not text)"),
     # SQLite: "Could not decode to UTF-8 column 'client_id' with text '\ufffdA'".
     ("CAST(x'ff41' AS TEXT)", "b'\\xffA' (not UTF-8)"),
-], ids=['blob', 'utf8_blob', 'not_utf8_text'])
+    # In a column declared without a type: an AttributeError traceback.
+    ('5', '5 (of SQLite type integer, not text)'),
+    ('2.5', '2.5 (of SQLite type real, not text)'),
+], ids=['blob', 'utf8_blob', 'not_utf8_text', 'integer', 'real'])
 def test_a_client_id_that_is_not_text_is_named(tmp_path, stored, shown):
   import sqlite3  # pylint: disable=g-import-not-at-top
   example = celeba_fixture._example(np.random.default_rng(1), True)  # pylint: disable=protected-access
 
   def add_client(path):
     with sqlite3.connect(path) as connection:
+      # Its columns without a type: SQLite keeps numbers as numbers.
+      connection.execute('ALTER TABLE client_metadata RENAME TO typed')
+      connection.execute('CREATE TABLE client_metadata (client_id, '
+                         'split_name, num_examples)')
+      connection.execute('INSERT INTO client_metadata SELECT * FROM typed')
       connection.execute('INSERT INTO examples VALUES '
                          f'(\'split_by_clients_test\', {stored}, ?)', (example,))
       connection.execute(f'INSERT INTO client_metadata VALUES ({stored}, '
@@ -239,15 +247,22 @@ def test_unknown_mode_is_a_usage_error(cache_dir):
     celeba.build_task(_config(cache_dir[0], 'sideways'))
 
 
-def test_central_batches_hold_uint8_pixels_and_give_the_same_floats(
-    cache_dir, monkeypatch):
+def _all_batches(task):
+  """A client's, the central and the evaluation batches of `task`."""
+  return (_numpy_batches(task.client_dataset_computation(
+      id=task.train_client_ids[0], seed=5)) +
+          _numpy_batches(task.server_dataset_computation(5)) +
+          _numpy_batches(task.eval_datasets_fn()['']))
+
+
+def test_uint8_pixels_give_the_same_floats(cache_dir, monkeypatch):
+  # Client, central and evaluation examples are narrowed (and checked).
   directory, _ = cache_dir
   config = _config(directory, 'mixed')
-  narrowed = _numpy_batches(
-      celeba.build_task(config).server_dataset_computation(5))
+  narrowed = _all_batches(celeba.build_task(config))
   monkeypatch.setattr(celeba, '_as_uint8_pixels', lambda example: example)
-  wide = _numpy_batches(celeba.build_task(config).server_dataset_computation(5))
-  assert len(narrowed) == len(wide) == 2
+  wide = _all_batches(celeba.build_task(config))
+  assert len(narrowed) == len(wide) == 5
   for (images, labels), (wide_images, wide_labels) in zip(narrowed, wide):
     np.testing.assert_array_equal(images, wide_images)
     np.testing.assert_array_equal(labels, wide_labels)
@@ -265,6 +280,35 @@ def test_a_pixel_outside_0_255_is_an_error_not_wrapped():
       {'image': tf.constant([[[0, 17, 255]]], tf.int64)})
   assert narrowed['image'].dtype == tf.uint8
   np.testing.assert_array_equal(narrowed['image'], [[[0, 17, 255]]])
+
+
+@pytest.mark.parametrize('mode', ['federated', 'mixed'])
+def test_a_pixel_outside_0_255_in_the_file_is_bad_data(tmp_path, mode):
+  # A client's or a test image's pixel of 100000 trained and evaluated
+  # silently (exit 0: eval/loss 207); a central one was a traceback.
+  import sqlite3  # pylint: disable=g-import-not-at-top
+  from binaries import app  # pylint: disable=g-import-not-at-top
+  write_celeba_sqlite(tmp_path / 'celeba.sqlite')
+  with sqlite3.connect(tmp_path / 'celeba.sqlite') as connection:
+    for rowid, blob in connection.execute(
+        'SELECT rowid, serialized_example_proto FROM examples').fetchall():
+      example = tf.train.Example.FromString(blob)
+      example.features.feature['image'].int64_list.value[7] = 100000
+      connection.execute(
+          'UPDATE examples SET serialized_example_proto = ? WHERE rowid = ?',
+          (example.SerializeToString(), rowid))
+  task = celeba.build_task(_config(str(tmp_path), mode))
+  reads = [lambda: task.client_dataset_computation(
+      id=task.train_client_ids[0], seed=1),
+           lambda: task.eval_datasets_fn()['']]
+  if mode == 'mixed':
+    reads.append(lambda: task.server_dataset_computation(1))
+  for read in reads:
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+      list(read())
+    assert app.bad_data_message(raised.value) == (
+        "the task's data files hold CelebA image pixel outside 0..255: they "
+        'are damaged or not the files of this task (--cache_dir, --data_dir)')
 
 
 def _example_with(**features) -> bytes:

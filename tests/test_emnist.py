@@ -229,6 +229,31 @@ def test_a_split_without_examples_is_a_usage_error(tmp_path, role):
       path, 'EMNIST', role, f'all_{role}')
 
 
+@pytest.mark.parametrize('split_name', ['all_train', 'all_test'])
+def test_a_client_id_with_a_quote(tmp_path, split_name):
+  # A test writer's id with ' was a SQL syntax error in TFF's reader at the
+  # first evaluation, after a round had trained (a traceback); a train
+  # writer's is read by the pooling query, which takes it.
+  _write_emnist_sqlite(str(tmp_path))
+  path = tmp_path / 'emnist_all.sqlite'
+  with sqlite3.connect(path) as connection:
+    (writer,) = connection.execute(
+        'SELECT client_id FROM client_metadata WHERE split_name = ? LIMIT 1',
+        (split_name,)).fetchone()
+    for table in ('examples', 'client_metadata'):
+      connection.execute(
+          f'UPDATE {table} SET client_id = ? WHERE client_id = ? AND '
+          'split_name = ?', (f"{writer}'x", writer, split_name))
+  if split_name == 'all_train':
+    task = emnist.build_task(_config(str(tmp_path), similarity=100.0))
+    assert len(task.train_client_ids) == NUM_CLIENTS
+    return
+  with pytest.raises(UsageError, match=(
+      rf"^{path} has client id \"{writer}'x\", which holds \"'\": TFF's "
+      'reader cannot look it up')):
+    emnist.build_task(_config(str(tmp_path)))
+
+
 def _write_with_pixel(directory, split_name, value):
   """The fixture's EMNIST file with one pixel of `split_name` set to
   `value`."""

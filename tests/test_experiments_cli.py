@@ -44,6 +44,12 @@ def run(module, *args):
     ('experiments.fedres_logistic', ['--heterogeneities=nan'],
      "argument --heterogeneities: 'nan' is not a comma-separated list of "
      'finite numbers'),
+    # Every mixed run "FAILED" the check against a NaN margin (exit 1,
+    # after training all five runs); a NaN target loss was never reached.
+    ('experiments.celeba_mixed', ['--check_margin=nan'],
+     "argument --check_margin: 'nan' is not a finite number"),
+    ('experiments.scaffold_digits', ['--target_loss=inf'],
+     "argument --target_loss: 'inf' is not a finite number"),
     # argparse's usage block and `prog: error:` line.
     ('experiments.celeba_mixed', ['--bogus'],
      'unrecognized arguments: --bogus'),
@@ -107,6 +113,78 @@ def test_summarize_only_without_runs_is_one_error_line(tmp_path):
       2, f'error: {tmp_path}/fedavg_a0.1_s0 has 0 rounds, fewer than the 30 '
       'summarized (--at_round, --total_rounds); train it first (leave out '
       '--summarize_only)\n')
+
+
+def test_an_in_process_runs_refusal_names_the_root_output_dir(
+    monkeypatch, capsys):
+  # The driver's advice (a new --experiment_name, --allow_flag_changes)
+  # names flags an experiment does not take.
+  from experiments import cli  # pylint: disable=g-import-not-at-top
+  from pipeline.errors import UsageError  # pylint: disable=g-import-not-at-top
+  for module, name in ((cli.tff_runtime, 'install_shutdown_hooks'),
+                       (cli.private_temp, 'use_private_temp_dir'),
+                       (cli.app, 'remove_temp_dir_on_fatal_signals')):
+    monkeypatch.setattr(module, name, lambda: None)
+
+  def main():
+    raise UsageError('runs/a was trained with other values of flags that '
+                     'change results: --seed (run: 0, now: 1); repeat the '
+                     'run\'s values, use a new --experiment_name, or pass '
+                     '--allow_flag_changes to continue with the new ones')
+
+  with pytest.raises(SystemExit) as raised:
+    cli.run_main(main)
+  assert raised.value.code == 2
+  assert capsys.readouterr().err == (
+      'error: runs/a was trained with other values of flags that change '
+      'results: --seed (run: 0, now: 1); repeat the run\'s values, or use '
+      'another --root_output_dir\n')
+
+
+def _fake_binaries(monkeypatch, tmp_path, module):
+  """Each binary `module` runs writes a one-round metrics.csv where its
+  --root_output_dir is from the directory it runs in (the repository root,
+  here tmp_path/repo); returns the commands run."""
+  commands = []
+
+  def run_binary(command, cwd, **_):
+    commands.append(command)
+    flags = dict(a[2:].split('=', 1) for a in command if a.startswith('--'))
+    run_dir = os.path.join(cwd, flags['root_output_dir'],
+                           flags['experiment_name'])
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, 'metrics.csv'), 'w') as f:
+      f.write('round_num,eval/recall_at_10,train/client_flops,'
+              'train/client_comm_floats,eval/auc,eval/loss\n'
+              '1,0.5,10.0,10.0,0.5,0.7\n')
+
+  (tmp_path / 'repo').mkdir()
+  monkeypatch.setattr(module, 'REPO', str(tmp_path / 'repo'))
+  monkeypatch.setattr(module.cli, 'run_binary', run_binary)
+  monkeypatch.chdir(tmp_path)
+  return commands
+
+
+@pytest.mark.parametrize('name', ['movielens_mixed', 'celeba_mixed'])
+def test_relative_directories_are_the_callers_not_the_binaries(
+    tmp_path, monkeypatch, capsys, name):
+  # The binaries run from the repository root: movielens_mixed's runs went
+  # there and its summary read them here (an IndexError traceback);
+  # celeba_mixed's --cache_dir was looked for there.
+  import importlib  # pylint: disable=g-import-not-at-top
+  module = importlib.import_module(f'experiments.{name}')
+  commands = _fake_binaries(monkeypatch, tmp_path, module)
+  monkeypatch.setattr(sys, 'argv', [
+      name, '--root_output_dir=runs', '--total_rounds=1',
+      '--movielens_dir=ml' if name == 'movielens_mixed' else '--cache_dir=tff'])
+  module.main()
+  table = {'movielens_mixed': 'recall@10', 'celeba_mixed': 'best auc'}[name]
+  assert table in capsys.readouterr().out
+  for command in commands:
+    assert f'--root_output_dir={tmp_path}/runs' in command
+    assert any(flag in command for flag in (
+        f'--movielens_dir={tmp_path}/ml', f'--cache_dir={tmp_path}/tff'))
+  assert not (tmp_path / 'repo' / 'runs').exists()
 
 
 def test_a_failing_training_ends_the_experiment_with_its_status(tmp_path):

@@ -52,10 +52,18 @@ def _write_movielens(directory):
     ([], 'lists no movies'),
     (['99999999999999|T|d||u' + '|0' * 19], 'has movie id 99999999999999'),
     (['-1|T|d||u' + '|0' * 19], 'has movie id -1'),
+    # Each trained silently on wrong genre rows (or was numpy's traceback).
+    (['1|0|1'], r'u.item:1 is not in the u.item format .*: 3 fields, not 24'),
+    (['1|T|d||u' + '|5' * 19], r':1 .*: a genre flag is not 0 or 1'),
+    (['1|T|d||u' + '|0' * 19, '1|T|d||u' + '|1' * 19],
+     r':2 .*: movie 1 is listed twice'),
+    (['1|T|d||u' + '|0' * 19, '2|T|d||u' + '|0' * 19 + '\x00'],
+     r':2 .*: the file\'s last line has no newline'),
 ])
 def test_damaged_movie_lists_are_usage_errors(tmp_path, lines, message):
-  (tmp_path / 'u.item').write_text(''.join(l + '\n' for l in lines),
-                                   encoding='latin-1')
+  (tmp_path / 'u.item').write_text(
+      ''.join(l + '\n' for l in lines).replace('\x00\n', ''),
+      encoding='latin-1')
   with pytest.raises(UsageError, match=message):
     movielens_ratings.load_genres(str(tmp_path))
 
@@ -140,6 +148,19 @@ def test_movielens_serving_refuses_movie_ids_beyond_the_table(
     server('1', np.array([1, 2**32], np.int64))
 
 
+def test_movielens_users_of_one_rating_each_are_a_usage_error(tmp_path):
+  # Nothing held out: the run trained, then evaluation was Keras'
+  # "Expected input data to be non-empty" traceback.
+  directory = _write_movielens(tmp_path)
+  with open(os.path.join(directory, 'u.data'), 'w') as f:
+    f.write('1\t3\t4\t880000300\n2\t1\t1\t880000900\n')
+  with pytest.raises(UsageError, match=(
+      r'^.*/u.data: no user has two or more ratings, so none is held out to '
+      'evaluate on')):
+    movielens_ratings.build_task(base.DataConfig(
+        options={'movielens_dir': directory}))
+
+
 def test_movielens_bad_directories_are_usage_errors(tmp_path):
   def build(directory):
     return movielens_ratings.build_task(
@@ -213,15 +234,43 @@ def test_residual_wrappers_share_the_global_weights():
 
 
 def test_fedres_movielens_setting_errors_are_one_error_line(tmp_path):
-  # A negative or NaN learning rate was a SettingError traceback, status 1.
+  # A negative or NaN learning rate was a SettingError traceback, status 1;
+  # then one line, but only after the runs before (FedAvg's) had trained.
   _write_movielens(str(tmp_path))
   result = subprocess.run(
       [sys.executable, '-m', 'experiments.fedres_movielens',
        f'--movielens_dir={tmp_path}', f'--root_output_dir={tmp_path}/runs',
-       '--rounds=1', '--algorithms=fedres_avg', '--local_learning_rate=-1'],
+       '--rounds=1', '--algorithms=fedavg,fedres_avg',
+       '--local_learning_rate=-1'],
       cwd=lib.REPO, env=lib.environment(), capture_output=True, text=True,
       timeout=600, check=False)
   assert (result.returncode, lib.error_lines(result)) == (
       2, ['error: --local_learning_rate must be a finite number >= 0, got '
           '-1.0']), result.stderr[-3000:]
   assert 'Traceback' not in result.stderr
+  assert not (tmp_path / 'runs').exists()
+
+
+def test_fedres_movielens_reruns_report_their_runs_or_refuse_other_flags(
+    tmp_path, monkeypatch, capsys):
+  # A re-run of finished runs was a KeyError traceback; one with another
+  # --client_learning_rate resumed them with it, unrecorded.
+  from experiments import fedres_movielens  # pylint: disable=g-import-not-at-top
+  _write_movielens(str(tmp_path))
+
+  def run(*flags):
+    monkeypatch.setattr(sys, 'argv', [
+        'fedres_movielens', f'--movielens_dir={tmp_path}',
+        f'--root_output_dir={tmp_path}/runs', '--rounds=1',
+        '--clients_per_round=2', '--client_steps=1',
+        '--algorithms=fedavg,fedres_avg', *flags])
+    fedres_movielens.main()
+    return [l for l in capsys.readouterr().out.splitlines() if 'RMSE' in l]
+
+  reported = run()
+  assert len(reported) == 2 and 'personalized RMSE' in reported[1]
+  assert run() == reported
+  with pytest.raises(UsageError, match=(
+      r'fedavg_seed0 was trained with other values of flags that change '
+      r'results: --client_learning_rate \(run: 0.1, now: 0.2\)')):
+    run('--client_learning_rate=0.2')

@@ -322,6 +322,18 @@ def test_word_task_with_an_empty_vocabulary_is_a_usage_error(sources,
     so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
 
 
+def test_word_task_with_a_vocabulary_cut_mid_line_is_a_usage_error(
+    sources, tmp_path):
+  # "code 12" of "code 1234": the cut count parsed and the file trained.
+  import shutil  # pylint: disable=import-outside-toplevel
+  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
+  (tmp_path / 'stackoverflow.word_count').write_text('the 5000\ncode 12')
+  with pytest.raises(UsageError, match=(
+      r"^cannot read the StackOverflow vocabulary .*stackoverflow.word_count: "
+      r"its last line 'code 12' has no newline")):
+    so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
+
+
 @pytest.mark.parametrize('damage, found', [
     # Read by the evaluation in this process.
     (lambda content: content[:len(content) // 2], 'truncated record at 3301'),
