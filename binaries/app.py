@@ -288,6 +288,13 @@ def _terminate_once(signum, frame):
     interrupts.terminate()
 
 
+def _ignore_stop_signals() -> None:
+  """Ctrl-C and SIGTERM from now on change nothing (the error line is said,
+  the workers are being shut down)."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _unraisable_unless_interrupt(unraisable) -> None:
   # A KeyboardInterrupt raised in a finalizer or a gc callback is lost
   # there (interrupts.check raises it again); Python's report of it, an
@@ -339,8 +346,7 @@ def run(main, allow_positional_args: bool = False) -> None:
   def fail(message: str, status: int):
     # Said once: a Ctrl-C now would cut the workers' shutdown short with a
     # second line.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _ignore_stop_signals()
     if os.environ.get(RUN_BY_EXPERIMENT_ENV):
       message = advice_for_experiments(message)
     try:
@@ -440,8 +446,7 @@ def run(main, allow_positional_args: bool = False) -> None:
     # The work is done (or failed, and said so): a Ctrl-C now would cut the
     # workers' shutdown short with a traceback, or end Python's
     # finalization without a line.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _ignore_stop_signals()
     tff_runtime.shutdown_workers()
   exit_without_finalizing(status)
 
