@@ -13,6 +13,11 @@ machine time per client-sized op and the memory traffic that implies. Last,
 SCAFFOLD's finish (the new c_i and its delta: a scaling and two differences)
 as TF ops and as one XLA-compiled function (`jit_compile=True`), which fuses
 them into one loop per variable: whether fewer kernels would save time.
+Then the first Dense layer's forward product (a batch's inputs times its
+21168 x 64 kernel) by the number of rows it takes at once: a client step
+takes one of 5 rows, and its time per row is what products of many clients'
+rows at once (the kernel being the same for all of a group's clients) would
+save.
 
   .venv/bin/python -m benchmarks.weight_passes [--repeats=200]
 """
@@ -96,6 +101,23 @@ def _cases(tf, shapes):
   return cases, size
 
 
+# Rows of one forward product of the first layer: one client step's batch
+# (5), a client's steps, a group's clients' steps.
+PRODUCT_ROWS = (5, 10, 20, 50, 100, 500)
+
+
+def _product_cases(tf, kernel_shape):
+  """rows -> op(i): the i-th product of `rows` input rows with the
+  kernel (one variable, as a group's clients read the same one)."""
+  rng = tf.random.Generator.from_seed(1)
+  kernel = tf.Variable(rng.normal(kernel_shape))
+  cases = {}
+  for rows in PRODUCT_ROWS:
+    inputs = [rng.normal([rows, kernel_shape[0]]) for _ in range(_POOL)]
+    cases[rows] = (lambda i, x=inputs: [tf.matmul(x[i], kernel)])
+  return cases
+
+
 def _time(op, repeats: int) -> float:
   # Eagerly, one op at a time, each split over the cores by TF's intra-op
   # pool: a traced function would merge the repeats on the same inputs into
@@ -128,6 +150,13 @@ def main(argv):
     print(f'  {name:32s} {1000 * seconds:6.3f} ms' + (
         f'  ({traffic / seconds / 1e9:5.1f} GB/s read + written)'
         if traffic else ''))
+  kernel_shape = state_files.GLOBAL_SHAPES[0]
+  print(f'the first layer\'s forward product (rows x {kernel_shape[0]} '
+        f'inputs, times its {kernel_shape[0]} x {kernel_shape[1]} kernel):')
+  for rows, op in _product_cases(tf, kernel_shape).items():
+    seconds = _time(op, _REPEATS.value) / _REPEATS.value
+    print(f'  {rows:4d} rows {1000 * seconds:7.3f} ms  '
+          f'({5000 * seconds / rows:6.3f} ms per 5 rows)')
 
 
 if __name__ == '__main__':

@@ -49,6 +49,10 @@ def test_weight_passes_times_each_op_over_the_model():
              'new c_i + delta (XLA-fused)'):
     assert re.search(rf'^  {re.escape(op)} +[0-9.]+ ms', result.stdout,
                      re.MULTILINE), result.stdout
+  assert "the first layer's forward product" in result.stdout
+  for rows in (5, 10, 20, 50, 100, 500):
+    assert re.search(rf'^ +{rows} rows +[0-9.]+ ms +\( *[0-9.]+ ms per 5 '
+                     r'rows\)', result.stdout, re.MULTILINE), result.stdout
   bad = run_binary('benchmarks.weight_passes', '--repeats=0')
   assert bad.returncode == 2
   assert 'error: --repeats must be >= 1, got 0' in bad.stderr

@@ -219,6 +219,44 @@ def test_clients_of_one_group_compute_the_dense_rounds(tmp_path, runtime):
   _assert_same_rounds(*runs)
 
 
+def _assert_equal(got, want):
+  for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want), strict=True):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize('runtime', ['tff', 'native'])
+def test_shared_products_are_each_batchs_own_product(tmp_path, runtime,
+                                                      monkeypatch):
+  # A group's clients take the kernel's products with w and w - k eta c
+  # together (factored.shared_products). One round of every client, from
+  # the same w: each client's new theta_i and c_i must not depend on the
+  # clients it shared them with, and must be bit for bit what the batches'
+  # own products give wherever a batch has two rows or more (a one-row
+  # product rounds otherwise: clients 2 and 3, to float32 rounding).
+  task = build_task()
+  assert factored.shareable(
+      lambda: fedres_math.ResidualModel(task.residual_spec), _plan(task),
+      parts=fedres_math.global_model_parts)
+
+  def states(name, group):
+    return _train(tmp_path, name, task, rounds=1, runtime=runtime,
+                  clients_per_round=len(CLIENT_SIZES),
+                  clients_per_group=group).states
+
+  together, alone = states('together', len(CLIENT_SIZES)), states('alone', 1)
+  monkeypatch.setattr(factored, 'shareable', lambda *args, **kwargs: False)
+  own = states('own', len(CLIENT_SIZES))
+  for k, size in enumerate(CLIENT_SIZES):
+    _assert_equal(together[k], alone[k])
+    if size % BATCH == 0:
+      _assert_equal(together[k], own[k])
+    else:
+      _assert_close(together[k], own[k])
+    # Trained: theta_i left its start.
+    assert not np.array_equal(together[k]['local_model'][0],
+                              own[0]['local_model'][0]) or k == 0
+
+
 @pytest.mark.parametrize('runtime', ['tff', 'native'])
 def test_a_diverging_client_keeps_its_state_and_adds_nothing(tmp_path,
                                                              runtime):

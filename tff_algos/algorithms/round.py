@@ -143,10 +143,35 @@ class ClientWork:
   # Sets context variables that stay the same for every client of a group
   # (values of the message that no client changes), once per group.
   prepare: Optional[Callable[[Any, Any], None]] = None
+  # Products whose right operand is the same for every client of a group:
+  # the runtime reads a chunk of clients' batches first, has them computed
+  # together, then runs the clients' steps on the read batches.
+  shared_products: Optional['SharedProducts'] = None
 
   @property
   def passes(self) -> int:
     return len(self.steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedProducts:
+  """A layer's products that every client of a group takes with the same
+  right operands (its kernel at the round's weights, say), computed for a
+  chunk of clients at once: one product of many clients' rows is several
+  times cheaper a row than one of a batch's few rows.
+
+  Per chunk the runtime calls `record(context, acc, pass, step, batch)` for
+  each batch it reads (`initial(context)` the first `acc`; `pass` and `step` int32
+  tensors: the pass and the batch's place in it), then `compute(context,
+  acc)`, then, before each batch's step, `select(context, index)` with the
+  batch's index among the chunk's recorded batches, in reading order.
+  """
+  initial: Callable[[Any], Any]
+  record: Callable[[Any, Any, tf.Tensor, tf.Tensor, Any], Any]
+  compute: Callable[[Any, Any], None]
+  select: Callable[[Any, tf.Tensor], None]
+  # Clients whose batches are read and held at once.
+  clients_per_chunk: int
 
 
 @dataclasses.dataclass(frozen=True)

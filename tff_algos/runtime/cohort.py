@@ -36,6 +36,14 @@ loop inside the graph, no per-client call, dispatch or value crosses the
 runtime either, and one client's weights at a time are live, which keeps a
 CPU round compute-bound.
 
+A work with `shared_products` (`round_lib.SharedProducts`: FedResAvg's
+factored first layer, whose products with w and w - k eta c every client of
+a group takes) runs its clients a chunk at a time: the chunk's batches are
+read from the stream and held, the products of all of them computed at once
+(one product of many clients' rows costs a fraction a row of one of a
+batch's 5 rows: `benchmarks.weight_passes`), then the clients' steps run on
+the held batches, each step reading its rows of those products.
+
 A group's result (an OrderedDict):
   model_update      sum_i w_i * u_i over its clients, or, for a group of one
                     client fed to a per-client aggregator, u_i itself (an
@@ -307,10 +315,101 @@ def build_group_update(definition: round_lib.RoundDefinition,
                            carry))
 
       num_clients = tf.shape(group['ids'], out_type=tf.int32)[0]
-      _, total = tf.while_loop(lambda index, _: tf.less(index, num_clients),
-                               client, (tf.constant(0, tf.int32), zero_total))
+      if work.shared_products is not None:
+        total = chunks(message, round_num, group, elements, num_clients,
+                       zero_total)
+      else:
+        _, total = tf.while_loop(
+            lambda index, _: tf.less(index, num_clients), client,
+            (tf.constant(0, tf.int32), zero_total))
       if affine:
         total = _add_affine_parts(total, affine, message)
+      return total
+
+    def chunks(message, round_num, group, elements, num_clients,
+               zero_total):
+      """The group's total, its clients taken a chunk at a time: a chunk's
+      batches read and held, their shared products computed at once
+      (`round_lib.SharedProducts`), then its clients' steps run on them."""
+      shared = work.shared_products
+      specs = tf.nest.flatten(elements.element_spec[1])
+
+      def read_chunk(first, last):
+        """(the chunk's batches as TensorArrays, whether each read element
+        is an end-of-pass marker, the shared products' accumulator)."""
+        arrays = [tf.TensorArray(spec.dtype, size=0, dynamic_size=True,
+                                 infer_shape=False,
+                                 element_shape=spec.shape)
+                  for spec in specs]
+        markers = tf.TensorArray(tf.bool, size=0, dynamic_size=True)
+        wanted = (last - first) * work.passes
+
+        def body(read, seen, step, arrays, markers, acc):
+          (_, pass_index, is_marker), batch = elements.get_next()
+          arrays = [a.write(read, t)
+                    for a, t in zip(arrays, tf.nest.flatten(batch))]
+          markers = markers.write(read, is_marker)
+          acc = tf.cond(
+              is_marker, lambda: acc,
+              lambda: shared.record(context, acc, pass_index, step, batch))
+          return (read + 1, seen + tf.cast(is_marker, tf.int32),
+                  tf.where(is_marker, 0, step + 1), arrays, markers, acc)
+
+        zero = tf.constant(0, tf.int32)
+        _, _, _, arrays, markers, acc = tf.while_loop(
+            lambda read, seen, *_: tf.less(seen, wanted), body,
+            (zero, zero, zero, arrays, markers, shared.initial(context)))
+        return arrays, markers, acc
+
+      def chunk(first, total):
+        last = tf.minimum(first + shared.clients_per_chunk, num_clients)
+        arrays, markers, acc = read_chunk(first, last)
+        shared.compute(context, acc)
+
+        def element(read):
+          batch = tf.nest.pack_sequence_as(
+              elements.element_spec[1],
+              [tf.ensure_shape(a.read(read), spec.shape)
+               for a, spec in zip(arrays, specs)])
+          return markers.read(read), batch
+
+        def client_pass(step_fn, client_state, carry, read, recorded):
+          """(carry, read, recorded) after the pass's steps, its marker
+          read."""
+
+          def body(read, recorded, carry):
+            _, batch = element(read)
+            shared.select(context, recorded)
+            carry = step_fn(context, message, visible(client_state), carry,
+                            batch)
+            return read + 1, recorded + 1, carry
+
+          read, recorded, carry = tf.while_loop(
+              lambda read, *_: tf.logical_not(markers.read(read)), body,
+              (read, recorded, carry))
+          return carry, read + 1, recorded
+
+        def client(index, read, recorded, total):
+          client_state = read_state(group, index)
+          carry = start(message, client_state)
+          for pass_index, step_fn in enumerate(work.steps):
+            carry, read, recorded = client_pass(step_fn, client_state, carry,
+                                                read, recorded)
+            if work.end_pass is not None:
+              carry = work.end_pass[pass_index](context, message,
+                                                visible(client_state), carry)
+          return index + 1, read, recorded, _add_contribution(
+              total, *finish(message, round_num, group, index, client_state,
+                             carry))
+
+        zero = tf.constant(0, tf.int32)
+        _, _, _, total = tf.while_loop(
+            lambda index, *_: tf.less(index, last), client,
+            (first, zero, zero, total))
+        return last, total
+
+      _, total = tf.while_loop(lambda first, _: tf.less(first, num_clients),
+                               chunk, (tf.constant(0, tf.int32), zero_total))
       return total
 
     def finish_shapes(message, round_num, group):

@@ -120,12 +120,15 @@ def definition(variant: str, task: base.Task,
   factorable = _factorable_kernels(hparams, task, len(global_specs))
   kernels = (factorable if getattr(settings, 'factored_control_variates',
                                    False) else ())
-  hparams = dataclasses.replace(hparams, factored_kernels=kernels)
+  shared = factored.shareable(lambda: math.ResidualModel(spec), kernels,
+                              parts=math.global_model_parts)
+  hparams = dataclasses.replace(hparams, factored_kernels=kernels,
+                                shared_products=shared)
 
   def client_context():
     model = math.ResidualModel(spec)
     factored.install(model, kernels, hparams.learning_rate,
-                     parts=math.global_model_parts)
+                     parts=math.global_model_parts, shared=shared)
     return model
 
   def initial_server_state():

@@ -43,6 +43,10 @@ class ResidualModel:
   def local_weights(self) -> list[tf.Variable]:
     return self.local_model.trainable_variables
 
+  def global_inputs(self, x):
+    """What the global model reads of the inputs `x`."""
+    return self._split_inputs(x)[0]
+
   def outputs(self, x, training: bool = True) -> tf.Tensor:
     global_inputs, local_inputs = self._split_inputs(x)
     return (self.global_model(global_inputs, training=training) +
@@ -259,6 +263,9 @@ class Hyperparameters:
   num_train_clients: int = 1  # N of the |S|/N rule.
   # Option II: the kernels of w whose c_i are kept as factors.
   factored_kernels: tuple[factored.FactoredKernel, ...] = ()
+  # Their products with w and w - k eta c taken for many clients at once
+  # (`factored.shared_products`; `factored.shareable` must hold).
+  shared_products: bool = False
 
   @property
   def uses_control(self) -> bool:
@@ -464,5 +471,15 @@ def client_work(hparams: Hyperparameters) -> round_lib.ClientWork:
   steps = {'naive': (joint_step,),
            'sgd': (local_step, large_batch_gradient_step),
            'avg': (local_step, corrected_global_step)}[variant]
+  shared = None
+  if hparams.shared_products:
+    # Step 1 reads w (`factored.at_x`); Step 2's step k, w - k eta c.
+    shared = factored.shared_products(
+        kernels, lambda model, batch: model.global_inputs(batch[0]),
+        lambda pass_index, step: tf.where(
+            tf.equal(pass_index, 0), 0,
+            tf.minimum(step, max(k.steps for k in kernels) - 1)),
+        len(steps))
   return round_lib.ClientWork(start=start, steps=steps, finish=finish,
-                              prepare=prepare if kernels else None)
+                              prepare=prepare if kernels else None,
+                              shared_products=shared)

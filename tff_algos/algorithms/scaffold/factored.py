@@ -46,6 +46,15 @@ steps. In floats, these products round differently from dense steps;
 FedResAvg's Option II (`fedres.math`) keeps the c_i of its global model's
 kernels the same way: its Step 2 is this corrected SGD on w, and its c_i+
 the mean of Step 2's gradients.
+
+Every client of a group then takes its products with the same kernel-sized
+matrices, x and x - k eta c (FedResAvg's Step 1 with x too). Where the
+layer's inputs are the model's inputs, reshaped (`shareable`), those
+products are taken for a chunk of clients at once (`shared_products`, run
+by `runtime.cohort`): oneDNN gives each row of a product of two rows or
+more the same bits whatever the other rows, so a client computes what its
+own batches' products give, and at the benchmark's 5 rows a batch the
+shared product costs a fraction a row.
 """
 
 import contextlib
@@ -244,6 +253,14 @@ class _Capture:
     # are captured).
     self.plain_call = tf.keras.layers.Dense.call.__get__(layer)
     self.traces_at_x = False
+    # With products shared by a group's clients (`shared_products`): a
+    # chunk's products inputs x (or x - k eta c) of its recorded batches,
+    # their rows in reading order, where each batch's rows start, and the
+    # batch whose step runs.
+    self.table = None
+    self.table_starts = None
+    self.table_row = None
+    self.left_operand = None  # The model's inputs -> this layer's inputs.
 
   def step_start(self, step) -> tf.Tensor:
     """The first row of step `step`'s batch in `rows` and `right`."""
@@ -253,7 +270,15 @@ class _Capture:
     """Dense.call for float32 inputs of rank 2 at the step's weights W_k
     (its ops, in its order), plus the probe."""
     if self.traces_at_x:
-      return self.plain_call(inputs, *args, **kwargs)
+      if self.table is None:
+        return self.plain_call(inputs, *args, **kwargs)
+      # Dense.call's ops after its product, in its order.
+      outputs = self._table_rows(inputs)
+      if self.layer.use_bias:
+        outputs = tf.nn.bias_add(outputs, self.layer.bias)
+      if self.layer.activation is not None:
+        outputs = self.layer.activation(outputs)
+      return outputs
     del args, kwargs  # Dense.call takes none.
     layer, batch = self.layer, self.kernel.batch
     inputs = tf.convert_to_tensor(inputs)
@@ -274,7 +299,10 @@ class _Capture:
             f'--client_steps={self.kernel.steps} steps; pass '
             '--factored_control_variates=false')]
     with tf.control_dependencies(fits):
-      outputs = self._shifted_product(inputs, step)
+      if self.table is None:
+        outputs = self._shifted_product(inputs, step)
+      else:
+        outputs = self._table_rows(inputs)
       # Step 0 is at x itself.
       outputs = tf.cond(step > 0,
                         lambda: outputs + self._update_product(inputs, step),
@@ -290,6 +318,12 @@ class _Capture:
     if layer.activation is not None:
       outputs = layer.activation(outputs)
     return outputs
+
+  def _table_rows(self, inputs) -> tf.Tensor:
+    """The selected batch's rows of the shared products (`inputs`' rows)."""
+    start = self.table_starts.sparse_read(self.table_row.read_value())
+    return tf.slice(self.table.read_value(), tf.stack([start, 0]),
+                    tf.stack([tf.shape(inputs)[0], -1]))
 
   def _shifted_product(self, inputs, step) -> tf.Tensor:
     """inputs (x - k eta c)."""
@@ -350,10 +384,12 @@ _captures = weakref.WeakKeyDictionary()
 
 
 def install(model, kernels: Sequence[FactoredKernel],
-            learning_rate: float, parts=tff_model_parts) -> None:
+            learning_rate: float, parts=tff_model_parts,
+            shared: bool = False) -> None:
   """Makes `kernels`' layers of this client model compute their calls from
   the round's factors (plain SGD at `learning_rate`); `parts` as
-  `plan`'s.
+  `plan`'s. `shared`: their products with x and x - k eta c come from
+  `shared_products` (`shareable` must hold).
 
   Called where the client's model is built (its variables are made there,
   outside any loop)."""
@@ -364,8 +400,149 @@ def install(model, kernels: Sequence[FactoredKernel],
   for kernel in kernels:
     capture = _Capture(layers[kernel.variable_index], kernel, learning_rate)
     capture.layer.call = capture.call
+    if shared:
+      capture.left_operand = _left_operand_model(parts(model)[0],
+                                                 capture.layer)
+      capture.table = tf.Variable(
+          tf.zeros([0, kernel.units]), trainable=False,
+          shape=tf.TensorShape([None, kernel.units]))
+      capture.table_starts = tf.Variable(
+          tf.zeros([0], tf.int32), trainable=False,
+          shape=tf.TensorShape([None]))
+      capture.table_row = tf.Variable(0, trainable=False)
     found.append(capture)
   _captures[model] = found
+
+
+# Layers that only reshape their inputs: a kernel behind nothing else takes
+# inputs that no step changes.
+_RESHAPING_LAYERS = (tf.keras.layers.InputLayer, tf.keras.layers.Flatten,
+                     tf.keras.layers.Reshape)
+
+# The most a chunk of clients' held first-layer inputs may take
+# (`shared_products`): a chunk of the benchmark's clients is 18.
+SHARED_CHUNK_BYTES = 32 << 20
+
+
+def _left_operand_model(keras_model, layer) -> Optional[tf.keras.Model]:
+  """The model's inputs -> `layer`'s inputs, if only reshaping layers
+  without weights lie between; else None."""
+  inputs = getattr(keras_model, 'inputs', None)
+  if not inputs or len(inputs) != 1:
+    return None
+  try:
+    left = tf.keras.Model(inputs, layer.input)
+  except (AttributeError, ValueError):
+    return None
+  if left.weights or not all(isinstance(l, _RESHAPING_LAYERS)
+                             for l in left.layers):
+    return None
+  return left
+
+
+def shareable(model_fn, kernels: Sequence[FactoredKernel],
+              parts=tff_model_parts) -> bool:
+  """Whether a group's clients can share the kernels' products with x and
+  x - k eta c (`shared_products`): each kernel's layer takes the model's
+  inputs through reshapes alone (so no step changes them), batches have
+  B >= 2 rows (oneDNN rounds a one-row product as another kernel, where a
+  row of any product of two or more rows comes out the same), and every
+  step's shifted kernel is held."""
+  if not kernels:
+    return False
+  with tf.Graph().as_default():
+    model = model_fn()
+    layers = _kernel_layers(model, parts)
+    for kernel in kernels:
+      layer = layers.get(kernel.variable_index)
+      shifted = min(kernel.steps - 1,
+                    SHIFTED_KERNELS_BYTES // (4 * kernel.inputs *
+                                              kernel.units))
+      if (layer is None or kernel.batch < 2 or shifted < kernel.steps - 1
+          or _left_operand_model(parts(model)[0], layer) is None):
+        return False
+  return True
+
+
+def shared_products(kernels: Sequence[FactoredKernel], model_inputs,
+                    operand_index, passes: int) -> round_lib.SharedProducts:
+  """The kernels' products with x and x - k eta c, taken for a chunk of a
+  group's clients at once (`round_lib.SharedProducts`).
+
+  `model_inputs(model, batch)`: the inputs of the Keras model holding the
+  kernels; `operand_index(pass, step)`: which product a batch's step takes,
+  0 for x (`at_x` passes and step 0) or k for x - k eta c. A row of these
+  products is the one a batch's own product gives (`shareable`), so a
+  client's results do not depend on its chunk or group.
+
+  Each batch's layer inputs are held with the others of its operand (one
+  product each, no copy to sort them); the products go into one table in
+  reading order, where a batch's step finds its rows (`select`).
+  """
+  rows_per_client = passes * max(k.steps * k.batch * k.inputs * 4
+                                 for k in kernels)
+  clients_per_chunk = max(1, SHARED_CHUNK_BYTES // rows_per_client)
+
+  def initial(model):
+    acc = []
+    for capture in captures(model):
+      held = tuple(
+          tf.TensorArray(tf.float32, size=0, dynamic_size=True,
+                         infer_shape=False,
+                         element_shape=[None, capture.kernel.inputs])
+          for _ in range(1 + len(capture.shifted)))
+      # Each recorded batch's operand and rows, in reading order.
+      batches = tf.TensorArray(tf.int32, size=0, dynamic_size=True,
+                               element_shape=[2])
+      acc.append((held, batches))
+    return acc
+
+  def record(model, acc, pass_index, step, batch):
+    inputs = model_inputs(model, batch)
+    operand = tf.cast(operand_index(pass_index, step), tf.int32)
+    recorded = []
+    for capture, (held, batches) in zip(captures(model), acc, strict=True):
+      left = capture.left_operand(inputs, training=True)
+
+      def holding(j, held=held, left=left):
+        def hold():
+          updated = list(held)
+          updated[j] = updated[j].write(updated[j].size(), left)
+          return tuple(updated)
+        return hold
+
+      held = round_lib.switch(operand, [holding(j)
+                                        for j in range(len(held))])
+      recorded.append((held, batches.write(batches.size(), tf.stack(
+          [operand, tf.shape(left, out_type=tf.int32)[0]]))))
+    return recorded
+
+  def compute(model, acc):
+    for capture, (held, batches) in zip(captures(model), acc, strict=True):
+      batches = batches.stack()
+      operands, rows = batches[:, 0], batches[:, 1]
+      ends = tf.cumsum(rows)
+      starts = ends - rows
+      positions, products = [], []
+      for j, operand in enumerate([capture.layer.kernel] + capture.shifted):
+        mine = tf.equal(operands, j)
+        positions.append(tf.ragged.range(
+            tf.boolean_mask(starts, mine),
+            tf.boolean_mask(ends, mine)).flat_values)
+        # Never one row alone: it would round as a one-row product does.
+        left = tf.concat([held[j].concat(),
+                          tf.zeros([1, capture.kernel.inputs])], 0)
+        products.append(tf.matmul(left, operand)[:-1])
+      capture.table.assign(tf.dynamic_stitch(positions, products))
+      capture.table_starts.assign(starts)
+
+  def select(model, index):
+    for capture in captures(model):
+      capture.table_row.assign(index)
+
+  return round_lib.SharedProducts(
+      initial=initial, record=record, compute=compute, select=select,
+      clients_per_chunk=clients_per_chunk)
 
 
 def captures(model) -> list[_Capture]:
