@@ -161,10 +161,11 @@ class SharedProducts:
   times cheaper a row than one of a batch's few rows.
 
   Per chunk the runtime calls `record(context, acc, pass, step, batch)` for
-  each batch it reads (`initial(context)` the first `acc`; `pass` and `step` int32
-  tensors: the pass and the batch's place in it), then `compute(context,
+  each element it reads (`initial(context)` the first `acc`; `pass` and
+  `step` int32 tensors: the pass and the element's place in it), an
+  end-of-pass marker's batch of no rows included, then `compute(context,
   acc)`, then, before each batch's step, `select(context, index)` with the
-  batch's index among the chunk's recorded batches, in reading order.
+  batch's index among the chunk's elements, in reading order.
   """
   initial: Callable[[Any], Any]
   record: Callable[[Any, Any, tf.Tensor, tf.Tensor, Any], Any]

@@ -349,9 +349,8 @@ def build_group_update(definition: round_lib.RoundDefinition,
           arrays = [a.write(read, t)
                     for a, t in zip(arrays, tf.nest.flatten(batch))]
           markers = markers.write(read, is_marker)
-          acc = tf.cond(
-              is_marker, lambda: acc,
-              lambda: shared.record(context, acc, pass_index, step, batch))
+          # A marker's batch has no rows: no branch around it.
+          acc = shared.record(context, acc, pass_index, step, batch)
           return (read + 1, seen + tf.cast(is_marker, tf.int32),
                   tf.where(is_marker, 0, step + 1), arrays, markers, acc)
 
@@ -367,45 +366,40 @@ def build_group_update(definition: round_lib.RoundDefinition,
         shared.compute(context, acc)
 
         def element(read):
-          batch = tf.nest.pack_sequence_as(
+          return tf.nest.pack_sequence_as(
               elements.element_spec[1],
               [tf.ensure_shape(a.read(read), spec.shape)
                for a, spec in zip(arrays, specs)])
-          return markers.read(read), batch
 
-        def client_pass(step_fn, client_state, carry, read, recorded):
-          """(carry, read, recorded) after the pass's steps, its marker
-          read."""
+        def client_pass(step_fn, client_state, carry, read):
+          """(carry, read) after the pass's steps, its marker read."""
 
-          def body(read, recorded, carry):
-            _, batch = element(read)
-            shared.select(context, recorded)
+          def body(read, carry):
+            shared.select(context, read)
             carry = step_fn(context, message, visible(client_state), carry,
-                            batch)
-            return read + 1, recorded + 1, carry
+                            element(read))
+            return read + 1, carry
 
-          read, recorded, carry = tf.while_loop(
-              lambda read, *_: tf.logical_not(markers.read(read)), body,
-              (read, recorded, carry))
-          return carry, read + 1, recorded
+          read, carry = tf.while_loop(
+              lambda read, _: tf.logical_not(markers.read(read)), body,
+              (read, carry))
+          return carry, read + 1
 
-        def client(index, read, recorded, total):
+        def client(index, read, total):
           client_state = read_state(group, index)
           carry = start(message, client_state)
           for pass_index, step_fn in enumerate(work.steps):
-            carry, read, recorded = client_pass(step_fn, client_state, carry,
-                                                read, recorded)
+            carry, read = client_pass(step_fn, client_state, carry, read)
             if work.end_pass is not None:
               carry = work.end_pass[pass_index](context, message,
                                                 visible(client_state), carry)
-          return index + 1, read, recorded, _add_contribution(
+          return index + 1, read, _add_contribution(
               total, *finish(message, round_num, group, index, client_state,
                              carry))
 
-        zero = tf.constant(0, tf.int32)
-        _, _, _, total = tf.while_loop(
+        _, _, total = tf.while_loop(
             lambda index, *_: tf.less(index, last), client,
-            (first, zero, zero, total))
+            (first, tf.constant(0, tf.int32), total))
         return last, total
 
       _, total = tf.while_loop(lambda first, _: tf.less(first, num_clients),

@@ -503,18 +503,15 @@ def shared_products(kernels: Sequence[FactoredKernel], model_inputs,
     recorded = []
     for capture, (held, batches) in zip(captures(model), acc, strict=True):
       left = capture.left_operand(inputs, training=True)
-
-      def holding(j, held=held, left=left):
-        def hold():
-          updated = list(held)
-          updated[j] = updated[j].write(updated[j].size(), left)
-          return tuple(updated)
-        return hold
-
-      held = round_lib.switch(operand, [holding(j)
-                                        for j in range(len(held))])
-      recorded.append((held, batches.write(batches.size(), tf.stack(
-          [operand, tf.shape(left, out_type=tf.int32)[0]]))))
+      rows = tf.shape(left, out_type=tf.int32)[0]
+      # All rows with their operand's, none with the others' (a slice of
+      # leading rows shares the buffer): no branch to run a batch.
+      held = tuple(
+          array.write(array.size(), left[:tf.where(tf.equal(operand, j),
+                                                   rows, 0)])
+          for j, array in enumerate(held))
+      recorded.append((held, batches.write(batches.size(),
+                                           tf.stack([operand, rows]))))
     return recorded
 
   def compute(model, acc):
