@@ -72,6 +72,14 @@ def run(module, *args):
     ('experiments.movielens_mixed', ['--use_synthetic_data',
                                      '--clients_per_round=0'],
      "argument --clients_per_round: '0' is not an integer >= 1"),
+    # Each was ignored: synthetic data trained, the FedProx runs left out.
+    ('experiments.movielens_mixed', ['--use_synthetic_data',
+                                     '--movielens_dir=ml'],
+     'argument --movielens_dir does not apply with --use_synthetic_data '
+     '(synthetic data reads no files); pass one of them'),
+    ('experiments.fedpvr_digits', ['--fast', '--fedprox_mu=0.5'],
+     'argument --fedprox_mu does not apply with --fast (its runs leave out '
+     'FedProx)'),
     # No run can reach it: every method ">30 rounds" to the target.
     ('experiments.fedpvr_digits', ['--target_accuracy=2'],
      'argument --target_accuracy: 2.0 is not an accuracy in (0, 1]'),
