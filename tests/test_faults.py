@@ -316,6 +316,28 @@ def test_ctrl_c_while_importing_or_in_the_first_round_is_one_line(tmp_path):
   assert not any(alive(worker) for worker in workers)
 
 
+def test_a_sigterm_while_importing_is_one_line(tmp_path):
+  """A SIGTERM before app.run installed its handler (TensorFlow's and TFF's
+  imports, seconds) ended the binary at once: killed by the signal, no
+  line."""
+  command = lib.binary_command(
+      'binaries.evaluate', '--experiment_name=run',
+      f'--root_output_dir={tmp_path}')
+  process = subprocess.Popen(
+      command, cwd=lib.REPO, env=lib.environment(), stdin=subprocess.DEVNULL,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    time.sleep(1.0)  # TensorFlow and TFF take seconds to import.
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+  finally:
+    process.kill()
+  assert process.returncode == 143, stderr[-3000:]
+  assert stderr.splitlines() == [
+      'error: terminated (SIGTERM); what it had not finished was not '
+      'written: re-run the same command'], stderr[-3000:]
+
+
 def test_ctrl_c_prints_nothing_about_what_it_cut_short(tmp_path):
   # Ctrl-C in a checkpoint write's asyncio.run left a half-made event loop
   # and an unawaited coroutine; Python reported both after the error line.
