@@ -93,8 +93,9 @@ def run_binary(command: list[str], **kwargs) -> None:
 
   The binary gets SIGTERM when this process dies: killed with SIGTERM, an
   experiment left its training running on, TFF worker and all. Ctrl-C
-  reaches both (one process group): the binary stops cleanly and says so
-  (subprocess.run SIGKILLed it, and a second line followed).
+  reaches both (one process group), a SIGINT to this process alone is passed
+  on: the binary stops cleanly and says so (subprocess.run SIGKILLed it, and
+  a second line followed).
   """
   environment = dict(kwargs.pop('env', None) or os.environ)
   environment[app.RUN_BY_EXPERIMENT_ENV] = '1'
@@ -104,7 +105,14 @@ def run_binary(command: list[str], **kwargs) -> None:
   try:
     status = process.wait()
   except KeyboardInterrupt:
+    # A SIGINT sent to this process alone (`kill -INT`, not a Ctrl-C to the
+    # group) did not reach the binary and was lost here: it trained on, and
+    # the experiment's runs after it too (status 0). The binary takes a
+    # second one as nothing.
+    process.send_signal(signal.SIGINT)
     status = process.wait()
+    if not status:  # It had finished: the experiment says it stopped.
+      raise
   if status:
     sys.exit(status if status > 0 else 128 - status)  # -N: killed by N.
 

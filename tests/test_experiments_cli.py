@@ -227,6 +227,39 @@ def test_a_killed_experiment_takes_its_binary_along(tmp_path):
   assert gone
 
 
+def test_a_sigint_to_the_experiment_alone_stops_its_binary_and_it(tmp_path):
+  # A Ctrl-C reaches the whole process group; a SIGINT to the experiment
+  # alone (kill -INT) was lost while it waited for a binary: the binary and
+  # every run after it trained on, and the experiment ended with status 0.
+  binary = ('import os, signal, sys, time\n'
+            'def stop(*_):\n'
+            '  print("error: interrupted", file=sys.stderr, flush=True)\n'
+            '  os._exit(130)\n'
+            'signal.signal(signal.SIGINT, stop)\n'
+            'print(os.getpid(), flush=True)\n'
+            'time.sleep(60)\n')
+  experiment = subprocess.Popen(
+      [sys.executable, '-c',
+       'import sys\n'
+       'from experiments import cli\n'
+       'def main():\n'
+       '  for _ in range(2):\n'
+       f'    cli.run_binary([sys.executable, "-c", {binary!r}])\n'
+       '  print("finished", flush=True)\n'
+       '  return 0\n'
+       'cli.run_main(main)\n'],
+      cwd=lib.REPO, env=lib.environment(), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    int(experiment.stdout.readline())  # The binary is running.
+    experiment.send_signal(signal.SIGINT)
+    stdout, stderr = experiment.communicate(timeout=30)
+  finally:
+    experiment.kill()
+  assert (experiment.returncode, stdout, stderr) == (
+      130, '', 'error: interrupted\n')
+
+
 def test_a_refused_rerun_names_the_experiments_flag(tmp_path):
   # The binary's advice named its own run flags (a new --experiment_name,
   # --allow_flag_changes), which an experiment does not take.
