@@ -277,7 +277,7 @@ def _interrupt_once(signum, frame):
     interrupts.interrupt()
 
 
-def _terminate_once(signum, frame):
+def terminate_once(signum, frame):
   """SIGTERM: the first one stops the binary as a Ctrl-C does
   (`interrupts.terminate`: its newest finished round checkpointed, one line,
   status 143), then ignored, as `_interrupt_once` ignores a second SIGINT:
@@ -340,7 +340,7 @@ def run(main, allow_positional_args: bool = False) -> None:
   private_temp.use_private_temp_dir()
   remove_temp_dir_on_fatal_signals()
   signal.signal(signal.SIGINT, _interrupt_once)
-  signal.signal(signal.SIGTERM, _terminate_once)
+  signal.signal(signal.SIGTERM, terminate_once)
   sys.unraisablehook = _unraisable_unless_interrupt
 
   def fail(message: str, status: int):

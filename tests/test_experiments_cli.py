@@ -227,37 +227,61 @@ def test_a_killed_experiment_takes_its_binary_along(tmp_path):
   assert gone
 
 
-def test_a_sigint_to_the_experiment_alone_stops_its_binary_and_it(tmp_path):
+@pytest.mark.parametrize('signum, status', [(signal.SIGINT, 130),
+                                            (signal.SIGTERM, 143)])
+def test_a_signal_to_the_experiment_alone_stops_its_binary_and_it(
+    tmp_path, signum, status):
   # A Ctrl-C reaches the whole process group; a SIGINT to the experiment
   # alone (kill -INT) was lost while it waited for a binary: the binary and
   # every run after it trained on, and the experiment ended with status 0.
+  # A SIGTERM ended the experiment at once (no line, status -15), its
+  # binary still writing.
   binary = ('import os, signal, sys, time\n'
-            'def stop(*_):\n'
-            '  print("error: interrupted", file=sys.stderr, flush=True)\n'
-            '  os._exit(130)\n'
+            'def stop(signum, _):\n'
+            '  print(f"error: {signum}", file=sys.stderr, flush=True)\n'
+            '  os._exit(128 + signum)\n'
             'signal.signal(signal.SIGINT, stop)\n'
+            'signal.signal(signal.SIGTERM, stop)\n'
             'print(os.getpid(), flush=True)\n'
             'time.sleep(60)\n')
+  assert _run_experiment(
+      'import sys\n'
+      'from experiments import cli\n'
+      'def main():\n'
+      '  for _ in range(2):\n'
+      f'    cli.run_binary([sys.executable, "-c", {binary!r}])\n'
+      '  print("finished", flush=True)\n'
+      '  return 0\n'
+      'cli.run_main(main)\n', signum) == (status, '', f'error: {int(signum)}\n')
+
+
+def test_a_sigterm_stops_an_in_process_experiment_with_one_line():
+  # It ended at once: no line, killed by the signal.
+  assert _run_experiment(
+      'import os, signal, time\n'
+      'from experiments import cli\n'
+      'def main():\n'
+      '  os.kill(os.getpid(), signal.SIGTERM)\n'
+      '  time.sleep(60)\n'
+      'cli.run_main(main, runs_kept=False)\n') == (
+          143, '', 'error: terminated (SIGTERM) (its runs were temporary: a '
+          're-run starts over)\n')
+
+
+def _run_experiment(script, signum=None):
+  """(status, stdout, stderr) of `script`; `signum` is sent to it once it
+  printed a line (its binary's pid)."""
   experiment = subprocess.Popen(
-      [sys.executable, '-c',
-       'import sys\n'
-       'from experiments import cli\n'
-       'def main():\n'
-       '  for _ in range(2):\n'
-       f'    cli.run_binary([sys.executable, "-c", {binary!r}])\n'
-       '  print("finished", flush=True)\n'
-       '  return 0\n'
-       'cli.run_main(main)\n'],
-      cwd=lib.REPO, env=lib.environment(), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+      [sys.executable, '-c', script], cwd=lib.REPO, env=lib.environment(),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
-    int(experiment.stdout.readline())  # The binary is running.
-    experiment.send_signal(signal.SIGINT)
-    stdout, stderr = experiment.communicate(timeout=30)
+    if signum is not None:
+      int(experiment.stdout.readline())  # The binary is running.
+      experiment.send_signal(signum)
+    stdout, stderr = experiment.communicate(timeout=60)
   finally:
     experiment.kill()
-  assert (experiment.returncode, stdout, stderr) == (
-      130, '', 'error: interrupted\n')
+  return experiment.returncode, stdout, stderr
 
 
 def test_a_refused_rerun_names_the_experiments_flag(tmp_path):
