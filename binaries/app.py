@@ -295,7 +295,7 @@ def _ignore_stop_signals() -> None:
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _unraisable_unless_interrupt(unraisable) -> None:
+def unraisable_unless_interrupt(unraisable) -> None:
   # A KeyboardInterrupt raised in a finalizer or a gc callback is lost
   # there (interrupts.check raises it again); Python's report of it, an
   # "Exception ignored in ..." block, is not the binary's one line.
@@ -341,7 +341,7 @@ def run(main, allow_positional_args: bool = False) -> None:
   remove_temp_dir_on_fatal_signals()
   signal.signal(signal.SIGINT, _interrupt_once)
   signal.signal(signal.SIGTERM, terminate_once)
-  sys.unraisablehook = _unraisable_unless_interrupt
+  sys.unraisablehook = unraisable_unless_interrupt
 
   def fail(message: str, status: int):
     # Said once: a Ctrl-C now would cut the workers' shutdown short with a

@@ -142,6 +142,10 @@ def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
   # A SIGTERM stops it as a Ctrl-C does, as it stops the binaries (it ended
   # the experiment at once: no line, killed by the signal).
   signal.signal(signal.SIGTERM, app.terminate_once)
+  # One that lands in a finalizer or gc callback is lost there (the run
+  # stops at its next interrupts.check()); Python's report of it is not
+  # the one line.
+  sys.unraisablehook = app.unraisable_unless_interrupt
   logging_lib.getLogger('tensorflow').addFilter(_WithoutRetracingNotes())
   try:
     status = main()
