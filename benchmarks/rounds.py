@@ -113,7 +113,8 @@ _POPULATION = flags.DEFINE_integer(
     'Train clients of the synthetic task (>= every clients per round).')
 _MAX_CONCURRENT_CALLS = flags.DEFINE_integer(
     'max_concurrent_computation_calls', -1,
-    'Passed to TFF\'s C++ runtime in (a) and (b) (<= 0: no cap).')
+    'Passed to TFF\'s C++ runtime in (a) and (b) (<= 0: no cap).',
+    upper_bound=tff_runtime.MAX_WORKER_CALLS)
 _NUM_WORKERS = flags.DEFINE_integer(
     'num_workers', 1, 'Local TFF worker processes of the driver runs (a).')
 _CLIENTS_PER_SUBROUND = flags.DEFINE_integer(

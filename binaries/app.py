@@ -277,7 +277,7 @@ def _interrupt_once(signum, frame):
     interrupts.interrupt()
 
 
-def _terminate_once(signum, frame):
+def terminate_once(signum, frame):
   """SIGTERM: the first one stops the binary as a Ctrl-C does
   (`interrupts.terminate`: its newest finished round checkpointed, one line,
   status 143), then ignored, as `_interrupt_once` ignores a second SIGINT:
@@ -295,7 +295,7 @@ def _ignore_stop_signals() -> None:
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _unraisable_unless_interrupt(unraisable) -> None:
+def unraisable_unless_interrupt(unraisable) -> None:
   # A KeyboardInterrupt raised in a finalizer or a gc callback is lost
   # there (interrupts.check raises it again); Python's report of it, an
   # "Exception ignored in ..." block, is not the binary's one line.
@@ -340,8 +340,8 @@ def run(main, allow_positional_args: bool = False) -> None:
   private_temp.use_private_temp_dir()
   remove_temp_dir_on_fatal_signals()
   signal.signal(signal.SIGINT, _interrupt_once)
-  signal.signal(signal.SIGTERM, _terminate_once)
-  sys.unraisablehook = _unraisable_unless_interrupt
+  signal.signal(signal.SIGTERM, terminate_once)
+  sys.unraisablehook = unraisable_unless_interrupt
 
   def fail(message: str, status: int):
     # Said once: a Ctrl-C now would cut the workers' shutdown short with a

@@ -17,6 +17,7 @@ import sys
 from typing import Callable
 
 from binaries import app
+from pipeline import interrupts
 from pipeline import private_temp
 from pipeline import tff_runtime
 from pipeline.errors import UsageError
@@ -93,8 +94,9 @@ def run_binary(command: list[str], **kwargs) -> None:
 
   The binary gets SIGTERM when this process dies: killed with SIGTERM, an
   experiment left its training running on, TFF worker and all. Ctrl-C
-  reaches both (one process group): the binary stops cleanly and says so
-  (subprocess.run SIGKILLed it, and a second line followed).
+  reaches both (one process group), a SIGINT to this process alone is passed
+  on: the binary stops cleanly and says so (subprocess.run SIGKILLed it, and
+  a second line followed).
   """
   environment = dict(kwargs.pop('env', None) or os.environ)
   environment[app.RUN_BY_EXPERIMENT_ENV] = '1'
@@ -104,7 +106,15 @@ def run_binary(command: list[str], **kwargs) -> None:
   try:
     status = process.wait()
   except KeyboardInterrupt:
+    # A SIGINT sent to this process alone (`kill -INT`, not a Ctrl-C to the
+    # group) did not reach the binary and was lost here: it trained on, and
+    # the experiment's runs after it too (status 0). The binary takes a
+    # second one as nothing. A SIGTERM (`run_main`) is passed on as one.
+    process.send_signal(signal.SIGTERM if interrupts.exit_status() ==
+                        interrupts.EXIT_TERMINATED else signal.SIGINT)
     status = process.wait()
+    if not status:  # It had finished: the experiment says it stopped.
+      raise
   if status:
     sys.exit(status if status > 0 else 128 - status)  # -N: killed by N.
 
@@ -129,6 +139,13 @@ def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
   tff_runtime.install_shutdown_hooks()
   private_temp.use_private_temp_dir()
   app.remove_temp_dir_on_fatal_signals()
+  # A SIGTERM stops it as a Ctrl-C does, as it stops the binaries (it ended
+  # the experiment at once: no line, killed by the signal).
+  signal.signal(signal.SIGTERM, app.terminate_once)
+  # One that lands in a finalizer or gc callback is lost there (the run
+  # stops at its next interrupts.check()); Python's report of it is not
+  # the one line.
+  sys.unraisablehook = app.unraisable_unless_interrupt
   logging_lib.getLogger('tensorflow').addFilter(_WithoutRetracingNotes())
   try:
     status = main()
@@ -139,13 +156,15 @@ def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
     print(f'error: {message}', file=sys.stderr)
     status = app.EXIT_USAGE
   except KeyboardInterrupt:
+    cause = (interrupts.TERMINATED if interrupts.exit_status() ==
+             interrupts.EXIT_TERMINATED else 'interrupted')
     if runs_kept:
-      print('error: interrupted; re-run the same command to go on (the runs '
+      print(f'error: {cause}; re-run the same command to go on (the runs '
             'trained so far are kept)', file=sys.stderr)
     else:
-      print('error: interrupted (its runs were temporary: a re-run starts '
+      print(f'error: {cause} (its runs were temporary: a re-run starts '
             'over)', file=sys.stderr)
-    status = app.EXIT_INTERRUPTED
+    status = interrupts.exit_status()
   except Exception as e:  # pylint: disable=broad-except
     message = app.environment_fault_message(e)
     if message is not None:

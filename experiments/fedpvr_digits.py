@@ -335,7 +335,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--client_batch_size', type=cli.positive_int,
                       default=20)
   parser.add_argument('--learning_rate', type=float, default=0.05)
-  parser.add_argument('--fedprox_mu', type=float, default=0.1)
+  parser.add_argument('--fedprox_mu', type=float, default=None,
+                      help='FedProx\'s mu (default 0.1); not with --fast, '
+                      'which runs no FedProx.')
   parser.add_argument('--pvr_client_optimizer', default='sgd',
                       help='FedPVR\'s optimizer of the variables without '
                       'control variates (the paper: sgdm).')
@@ -366,6 +368,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= start <= NUM_VARIABLES:
       parser.error(f'argument --pvr_starts: {start} is not a variable index '
                    f'of the CNN (0..{NUM_VARIABLES})')
+  if args.fedprox_mu is None:
+    args.fedprox_mu = 0.1
+  elif not args.with_fedprox:
+    # It was ignored.
+    parser.error('argument --fedprox_mu does not apply with --fast (its runs '
+                 'leave out FedProx)')
   if args.with_fedprox and not args.fedprox_mu >= 0:
     # FedProx trains second: refused by the binary after FedAvg trained.
     parser.error(f'argument --fedprox_mu: {args.fedprox_mu} is not a number '

@@ -100,6 +100,12 @@ def main():
   args.root_output_dir = os.path.abspath(args.root_output_dir)
   if args.rounds_per_eval is None:
     args.rounds_per_eval = max(1, args.total_rounds // 5)
+  if args.use_synthetic_data and args.movielens_dir:
+    # It was ignored; the binary refuses a data location with synthetic
+    # data too.
+    parser.error('argument --movielens_dir does not apply with '
+                 '--use_synthetic_data (synthetic data reads no files); pass '
+                 'one of them')
   if args.use_synthetic_data:
     data_flags = ['--use_synthetic_data']
   elif args.movielens_dir:

@@ -118,12 +118,19 @@ def _staging_dir(export_dir: str) -> tuple[str, int]:
   export elsewhere, one a killed export left beside it:
   `recover_abandoned_staging`)."""
   parent, name = os.path.split(export_dir)
-  os.makedirs(parent, exist_ok=True)  # An unwritable place fails here.
   try:
+    os.makedirs(parent, exist_ok=True)  # An unwritable place fails here.
     staging = tempfile.mkdtemp(prefix=f'{name}.', suffix='.staging',
                                dir=parent)
     return staging, private_temp.lock_as_owner(staging)
   except OSError as e:
+    if e.errno not in errors.ENVIRONMENT_ERRNOS:
+      # A place the kernel makes no directories in (/proc): a traceback.
+      raise errors.EnvironmentFault(
+          f'{export_dir} cannot be written: no directory can be made in '
+          f'{parent if os.path.isdir(parent) else e.filename} '
+          f'({e.strerror}); export to another directory (--export_dir)'
+      ) from None
     # Named by its directory: the random name would tell the user nothing.
     raise OSError(e.errno, e.strerror, parent) from e
 

@@ -145,11 +145,12 @@ def _runs_as_app_program() -> bool:
 
 
 def exit_at_once_while_starting() -> None:
-  """Ctrl-C while a binary imports TensorFlow and TFF (seconds; nothing is
-  written yet) ends it with the binary's one error line and status 130, not
-  an import traceback, until its `app.run` installs its own handler. Only
-  for the programs that run through `app.run`: one that imports the
-  package, e.g. pytest, keeps its own Ctrl-C."""
+  """Ctrl-C (or SIGTERM) while a binary imports TensorFlow and TFF (seconds;
+  nothing is written yet) ends it with the binary's one error line and
+  status 130 (143), not an import traceback (a SIGTERM: no line, killed by
+  the signal), until its `app.run` installs its own handlers. Only for the
+  programs that run through `app.run`: one that imports the package, e.g.
+  pytest, keeps its own."""
   if not _runs_as_app_program():
     return
   # The import of TensorFlow captures file descriptor 2 for a while
@@ -157,8 +158,11 @@ def exit_at_once_while_starting() -> None:
   stderr = os.dup(2)
 
   def exit_now(signum, frame):
-    del signum, frame
-    os.write(stderr, f'error: {message()}\n'.encode())
-    os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
+    del frame
+    cause, status = ((TERMINATED, EXIT_TERMINATED) if signum == signal.SIGTERM
+                     else (_cause[0], EXIT_INTERRUPTED))
+    os.write(stderr, f'error: {message(cause)}\n'.encode())
+    os._exit(status)  # pylint: disable=protected-access
 
   signal.signal(signal.SIGINT, exit_now)
+  signal.signal(signal.SIGTERM, exit_now)

@@ -37,6 +37,7 @@ is named in the error but is not by itself a reason for one.
 import dataclasses
 import logging
 import os
+import secrets
 import struct
 from typing import Mapping, Optional, Union
 
@@ -127,11 +128,17 @@ def comparable_rows(path: str) -> list[dict[str, str]]:
 def replace_file(path: str, content: Union[str, bytes]) -> None:
   """Writes `content` (text, or bytes) to `path` whole or not at all: a
   failed write (a full disk, a kill, a Ctrl-C) leaves the file as it was,
-  and no staging file."""
-  staging = path + '.staging'
+  and no staging file. Each write stages in a file of its own
+  (`<path>.<8 random characters>.staging`, as an export's directory): two
+  processes writing `path` at once (two evaluates of a run) shared one
+  staging file, which each truncated, so `path` could get a mix of both and
+  the later one's rename failed (a traceback)."""
+  staging = f'{path}.{secrets.token_hex(4)}.staging'
   try:
-    with (open(staging, 'wb') if isinstance(content, bytes) else
-          open(staging, 'w', encoding='utf-8', newline='')) as f:
+    # O_EXCL: the name is this write's alone; 0o666: the umask's mode.
+    descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    with (os.fdopen(descriptor, 'wb') if isinstance(content, bytes) else
+          os.fdopen(descriptor, 'w', encoding='utf-8', newline='')) as f:
       f.write(content)
       f.flush()
       os.fsync(f.fileno())

@@ -299,7 +299,8 @@ class _LocalWorker:
 
   def __init__(self, binary_path: str, max_concurrent_computation_calls: int):
     self._binary_path = binary_path
-    self._max_calls = max_concurrent_computation_calls
+    # Any value <= 0 is no cap; the worker's flag is 32-bit.
+    self._max_calls = max(max_concurrent_computation_calls, -1)
     self._process: Optional[subprocess.Popen] = None
     self._stub = None
     self._lock = threading.Lock()
@@ -600,6 +601,10 @@ def _out_of_file_descriptors(error: OSError, num_workers: int,
       'raise the limit (ulimit -n)')
 
 
+# The largest --max_concurrent_computation_calls `worker_binary` takes.
+MAX_WORKER_CALLS = 2**31 - 1
+
+
 def check_execution_settings(max_concurrent_computation_calls: int = -1,
                              num_workers: int = 1,
                              worker_addresses: tuple[str, ...] = (),
@@ -614,6 +619,12 @@ def check_execution_settings(max_concurrent_computation_calls: int = -1,
                      '--worker_addresses uses running ones; pass one of them')
   if num_subrounds < 0:
     raise UsageError(f'--num_subrounds must be >= 0, got {num_subrounds}')
+  if max_concurrent_computation_calls > MAX_WORKER_CALLS:
+    # The worker's flag is a 32-bit integer: it refused the value at
+    # start-up, reported as a worker that cannot start (status 3).
+    raise UsageError('--max_concurrent_computation_calls must be at most '
+                     f'{MAX_WORKER_CALLS} (<= 0: no cap), got '
+                     f'{max_concurrent_computation_calls}')
   if worker_addresses and max_concurrent_computation_calls > 0:
     # It was ignored: a running worker's cap is set where it was started.
     raise UsageError('--max_concurrent_computation_calls caps the workers '

@@ -890,6 +890,12 @@ CASES = [
          lambda p: f'{p.base}/evaluation_round_3.json: Read-only file system; '
          f'{RECOVERY}', status=3, during=read_only_root,
          last_output=lambda line: json.loads(line)['checkpoint_round'] == 3),
+    # /proc exists, but the kernel makes no directory in it: a traceback.
+    Case('export_where_no_directory_can_be_made', 'export',
+         of_base('--export_dir=/proc/export'),
+         lambda p: '/proc/export cannot be written: no directory can be made '
+         'in /proc (No such file or directory); export to another directory '
+         '(--export_dir)', status=3),
     Case('read_only_export', 'export', of_base(),
          lambda p: f'{p.base}: Read-only file system; {RECOVERY}', status=3,
          during=read_only_root),

@@ -72,6 +72,14 @@ def run(module, *args):
     ('experiments.movielens_mixed', ['--use_synthetic_data',
                                      '--clients_per_round=0'],
      "argument --clients_per_round: '0' is not an integer >= 1"),
+    # Each was ignored: synthetic data trained, the FedProx runs left out.
+    ('experiments.movielens_mixed', ['--use_synthetic_data',
+                                     '--movielens_dir=ml'],
+     'argument --movielens_dir does not apply with --use_synthetic_data '
+     '(synthetic data reads no files); pass one of them'),
+    ('experiments.fedpvr_digits', ['--fast', '--fedprox_mu=0.5'],
+     'argument --fedprox_mu does not apply with --fast (its runs leave out '
+     'FedProx)'),
     # No run can reach it: every method ">30 rounds" to the target.
     ('experiments.fedpvr_digits', ['--target_accuracy=2'],
      'argument --target_accuracy: 2.0 is not an accuracy in (0, 1]'),
@@ -217,6 +225,71 @@ def test_a_killed_experiment_takes_its_binary_along(tmp_path):
   if not gone:
     os.kill(child, signal.SIGKILL)
   assert gone
+
+
+@pytest.mark.parametrize('signum, status', [(signal.SIGINT, 130),
+                                            (signal.SIGTERM, 143)])
+def test_a_signal_to_the_experiment_alone_stops_its_binary_and_it(
+    tmp_path, signum, status):
+  # A Ctrl-C reaches the whole process group; a SIGINT to the experiment
+  # alone (kill -INT) was lost while it waited for a binary: the binary and
+  # every run after it trained on, and the experiment ended with status 0.
+  # A SIGTERM ended the experiment at once (no line, status -15), its
+  # binary still writing.
+  binary = ('import os, signal, sys, time\n'
+            'def stop(signum, _):\n'
+            '  print(f"error: {signum}", file=sys.stderr, flush=True)\n'
+            '  os._exit(128 + signum)\n'
+            'signal.signal(signal.SIGINT, stop)\n'
+            'signal.signal(signal.SIGTERM, stop)\n'
+            'print(os.getpid(), flush=True)\n'
+            'time.sleep(60)\n')
+  assert _run_experiment(
+      'import sys\n'
+      'from experiments import cli\n'
+      'def main():\n'
+      '  for _ in range(2):\n'
+      f'    cli.run_binary([sys.executable, "-c", {binary!r}])\n'
+      '  print("finished", flush=True)\n'
+      '  return 0\n'
+      'cli.run_main(main)\n', signum) == (status, '', f'error: {int(signum)}\n')
+
+
+def test_a_sigterm_stops_an_in_process_experiment_with_one_line():
+  # It ended at once: no line, killed by the signal. One that lands in a
+  # finalizer (a gc callback of JAX's) is lost there, and Python reported it
+  # ("Exception ignored in ..." and a traceback) before the line.
+  assert _run_experiment(
+      'import os, signal, time\n'
+      'from experiments import cli\n'
+      'from pipeline import interrupts\n'
+      'class Finalized:\n'
+      '  def __del__(self):\n'
+      '    os.kill(os.getpid(), signal.SIGTERM)\n'
+      'def main():\n'
+      '  Finalized()\n'
+      '  for _ in range(6000):\n'
+      '    interrupts.check()  # As the driver does every round.\n'
+      '    time.sleep(0.01)\n'
+      'cli.run_main(main, runs_kept=False)\n') == (
+          143, '', 'error: terminated (SIGTERM) (its runs were temporary: a '
+          're-run starts over)\n')
+
+
+def _run_experiment(script, signum=None):
+  """(status, stdout, stderr) of `script`; `signum` is sent to it once it
+  printed a line (its binary's pid)."""
+  experiment = subprocess.Popen(
+      [sys.executable, '-c', script], cwd=lib.REPO, env=lib.environment(),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    if signum is not None:
+      int(experiment.stdout.readline())  # The binary is running.
+      experiment.send_signal(signum)
+    stdout, stderr = experiment.communicate(timeout=60)
+  finally:
+    experiment.kill()
+  return experiment.returncode, stdout, stderr
 
 
 def test_a_refused_rerun_names_the_experiments_flag(tmp_path):

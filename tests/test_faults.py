@@ -26,6 +26,7 @@ import fault_testlib as lib
 from pipeline import run_logs
 from pipeline import tff_runtime
 from pipeline.errors import EnvironmentFault
+from pipeline.errors import UsageError
 
 RECOVERY = ('; fix that and re-run the same command (what was written before '
             'is kept)')
@@ -315,6 +316,28 @@ def test_ctrl_c_while_importing_or_in_the_first_round_is_one_line(tmp_path):
   assert not any(alive(worker) for worker in workers)
 
 
+def test_a_sigterm_while_importing_is_one_line(tmp_path):
+  """A SIGTERM before app.run installed its handler (TensorFlow's and TFF's
+  imports, seconds) ended the binary at once: killed by the signal, no
+  line."""
+  command = lib.binary_command(
+      'binaries.evaluate', '--experiment_name=run',
+      f'--root_output_dir={tmp_path}')
+  process = subprocess.Popen(
+      command, cwd=lib.REPO, env=lib.environment(), stdin=subprocess.DEVNULL,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    time.sleep(1.0)  # TensorFlow and TFF take seconds to import.
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+  finally:
+    process.kill()
+  assert process.returncode == 143, stderr[-3000:]
+  assert stderr.splitlines() == [
+      'error: terminated (SIGTERM); what it had not finished was not '
+      'written: re-run the same command'], stderr[-3000:]
+
+
 def test_ctrl_c_prints_nothing_about_what_it_cut_short(tmp_path):
   # Ctrl-C in a checkpoint write's asyncio.run left a half-made event loop
   # and an unawaited coroutine; Python reported both after the error line.
@@ -535,6 +558,19 @@ def test_worker_that_does_not_start_is_an_error_within_seconds(
   assert time.monotonic() - started < 15
   assert not [p for p in psutil.Process().children(recursive=True)
               if str(binary) in ' '.join(p.cmdline()) and alive(p)]
+
+
+def test_a_cap_on_calls_beyond_the_workers_32_bits(restore_default_context):
+  """worker_binary's --max_concurrent_computation_calls is 32-bit: a larger
+  cap stopped it at start-up (status 3, with its own ERROR line); a cap
+  below -2**31 did too, though any value <= 0 means no cap."""
+  del restore_default_context
+  with pytest.raises(UsageError, match=r'at most 2147483647 \(<= 0: no cap\), '
+                     r'got 2147483648'):
+    tff_runtime.check_execution_settings(2**31)
+  tff.framework.set_default_context(tff_runtime.local_worker_context(
+      max_concurrent_computation_calls=-10**11))
+  assert add_one()(1) == 2
 
 
 def test_a_worker_that_keeps_dying_ends_the_run(monkeypatch,

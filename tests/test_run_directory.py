@@ -718,6 +718,28 @@ def test_a_replaced_file_is_whole_or_as_it_was(tmp_path):
     assert os.listdir(place) == ['evaluation_round_3.json']
 
 
+def test_two_writers_of_a_file_at_once_each_write_it_whole(tmp_path,
+                                                          monkeypatch):
+  # Two evaluates of a run (they take no lock) write the same report: they
+  # shared `<path>.staging`, which the second truncated while the first had
+  # written it; the first renamed it, then the second's rename failed (a
+  # traceback), and the report could hold a mix of both.
+  path = tmp_path / 'evaluation_round_3.json'
+  fsync = os.fsync
+  other_writes = []
+
+  def fsync_while_another_writes(descriptor):
+    if not other_writes:
+      other_writes.append(1)
+      run_logs.replace_file(str(path), '{"other": 1}')
+    fsync(descriptor)
+
+  monkeypatch.setattr(os, 'fsync', fsync_while_another_writes)
+  run_logs.replace_file(str(path), '{"this one": 1, "longer": true}')
+  assert path.read_text() == '{"this one": 1, "longer": true}'
+  assert os.listdir(tmp_path) == ['evaluation_round_3.json']
+
+
 def test_no_temp_file_leaks_after_the_private_dir_is_removed(tmp_path):
   # On SIGTERM the handler removes the private directory, and another thread
   # (TFF's checkpoint writer tracing its tf.function) may still make an
