@@ -486,10 +486,14 @@ def shared_products(kernels: Sequence[FactoredKernel], model_inputs,
   def initial(model):
     acc = []
     for capture in captures(model):
+      # Each starts with a zero row, so that no product is of one row
+      # alone (it would round as a one-row product does); its product row
+      # is dropped.
       held = tuple(
           tf.TensorArray(tf.float32, size=0, dynamic_size=True,
                          infer_shape=False,
-                         element_shape=[None, capture.kernel.inputs])
+                         element_shape=[None, capture.kernel.inputs]
+                         ).write(0, tf.zeros([1, capture.kernel.inputs]))
           for _ in range(1 + len(capture.shifted)))
       # Each recorded batch's operand and rows, in reading order.
       batches = tf.TensorArray(tf.int32, size=0, dynamic_size=True,
@@ -526,10 +530,7 @@ def shared_products(kernels: Sequence[FactoredKernel], model_inputs,
         positions.append(tf.ragged.range(
             tf.boolean_mask(starts, mine),
             tf.boolean_mask(ends, mine)).flat_values)
-        # Never one row alone: it would round as a one-row product does.
-        left = tf.concat([held[j].concat(),
-                          tf.zeros([1, capture.kernel.inputs])], 0)
-        products.append(tf.matmul(left, operand)[:-1])
+        products.append(tf.matmul(held[j].concat(), operand)[1:])
       capture.table.assign(tf.dynamic_stitch(positions, products))
       capture.table_starts.assign(starts)
 
