@@ -110,8 +110,8 @@ def run_binary(command: list[str], **kwargs) -> None:
     # group) did not reach the binary and was lost here: it trained on, and
     # the experiment's runs after it too (status 0). The binary takes a
     # second one as nothing. A SIGTERM (`run_main`) is passed on as one.
-    process.send_signal(signal.SIGTERM if interrupts.exit_status() ==
-                        interrupts.EXIT_TERMINATED else signal.SIGINT)
+    process.send_signal(signal.SIGTERM if interrupts.cause() ==
+                        interrupts.TERMINATED else signal.SIGINT)
     status = process.wait()
     if not status:  # It had finished: the experiment says it stopped.
       raise
@@ -156,8 +156,7 @@ def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
     print(f'error: {message}', file=sys.stderr)
     status = app.EXIT_USAGE
   except KeyboardInterrupt:
-    cause = (interrupts.TERMINATED if interrupts.exit_status() ==
-             interrupts.EXIT_TERMINATED else 'interrupted')
+    cause = interrupts.cause()
     if runs_kept:
       print(f'error: {cause}; re-run the same command to go on (the runs '
             'trained so far are kept)', file=sys.stderr)

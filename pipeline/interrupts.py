@@ -68,6 +68,11 @@ def terminate() -> None:
   interrupt()
 
 
+def cause() -> str:
+  """What stopped this process: 'interrupted' or `TERMINATED`."""
+  return _cause[0]
+
+
 def exit_status() -> int:
   """The status of a process that `interrupt()` or `terminate()` stopped."""
   return _cause[1]

@@ -62,7 +62,8 @@ RESULT_NEUTRAL_KEYS = frozenset({
 # Left by a write that was cut off, by place: TFF's checkpoint and CSV
 # writes (`<name>_temp<digits>`), this pipeline's staging files and an
 # export's staging directory (`<name>.<8 random characters>.staging`,
-# `tempfile.mkdtemp`, and `run_logs.replace_file`'s files). Only these: a user's file of another name is kept.
+# `tempfile.mkdtemp`, and `run_logs.replace_file`'s files). Only these: a
+# user's file of another name is kept.
 _EXPORT_STAGING = re.compile(r'^(.+)\.[a-z0-9_]{8}\.staging$')
 _CUT_OFF_WRITE = re.compile(
     r'^((hparams\.json|metrics\.csv)\.staging|metrics\.csv_temp\d+)$|'

@@ -268,6 +268,23 @@ def build_group_update(definition: round_lib.RoundDefinition,
       part, _, residuals = contribution(result, message, costs)
       return part, residuals
 
+    def one_client(message, round_num, group, index, total, client_pass,
+                   position):
+      """(position, total + client `index`'s contribution): its state read,
+      its passes run by `client_pass(step_fn, client_state, carry,
+      position) -> (carry, position)` from `position` in the group's
+      batches, its new state written."""
+      client_state = read_state(group, index)
+      carry = start(message, client_state)
+      for pass_index, step_fn in enumerate(work.steps):
+        carry, position = client_pass(step_fn, client_state, carry, position)
+        if work.end_pass is not None:
+          carry = work.end_pass[pass_index](context, message,
+                                            visible(client_state), carry)
+      return position, _add_contribution(
+          total, *finish(message, round_num, group, index, client_state,
+                         carry))
+
     def run(message, round_num, group):
       if per_client:
         tf.debugging.assert_equal(tf.size(group['ids']), 1,
@@ -282,9 +299,10 @@ def build_group_update(definition: round_lib.RoundDefinition,
       elements = iter(group_stream(client_dataset_fn, group['ids'],
                                    group['seeds'], work.passes))
 
-      def client_pass(step_fn, client_state, carry):
-        """carry after the pass's steps: the stream's elements up to and
-        including the pass's end-of-pass marker."""
+      def client_pass(step_fn, client_state, carry, position):
+        """(carry, position) after the pass's steps: the stream's elements
+        up to and including the pass's end-of-pass marker (the stream keeps
+        its own position)."""
 
         def body(is_marker, batch, carry):
           del is_marker
@@ -300,19 +318,12 @@ def build_group_update(definition: round_lib.RoundDefinition,
         _, _, carry = tf.while_loop(
             lambda is_marker, *_: tf.logical_not(is_marker), body,
             (is_marker, batch, carry))
-        return carry
+        return carry, position
 
       def client(index, total):
-        client_state = read_state(group, index)
-        carry = start(message, client_state)
-        for pass_index, step_fn in enumerate(work.steps):
-          carry = client_pass(step_fn, client_state, carry)
-          if work.end_pass is not None:
-            carry = work.end_pass[pass_index](context, message,
-                                              visible(client_state), carry)
-        return index + 1, _add_contribution(
-            total, *finish(message, round_num, group, index, client_state,
-                           carry))
+        _, total = one_client(message, round_num, group, index, total,
+                              client_pass, ())
+        return index + 1, total
 
       num_clients = tf.shape(group['ids'], out_type=tf.int32)[0]
       if work.shared_products is not None:
@@ -386,16 +397,9 @@ def build_group_update(definition: round_lib.RoundDefinition,
           return carry, read + 1
 
         def client(index, read, total):
-          client_state = read_state(group, index)
-          carry = start(message, client_state)
-          for pass_index, step_fn in enumerate(work.steps):
-            carry, read = client_pass(step_fn, client_state, carry, read)
-            if work.end_pass is not None:
-              carry = work.end_pass[pass_index](context, message,
-                                                visible(client_state), carry)
-          return index + 1, read, _add_contribution(
-              total, *finish(message, round_num, group, index, client_state,
-                             carry))
+          read, total = one_client(message, round_num, group, index, total,
+                                   client_pass, read)
+          return index + 1, read, total
 
         _, _, total = tf.while_loop(
             lambda index, *_: tf.less(index, last), client,

@@ -125,6 +125,12 @@ def _kernel_layers(model, parts=tff_model_parts
 # model (`_Capture`); steps past them take one more product of their batch.
 SHIFTED_KERNELS_BYTES = 64 << 20
 
+def _shifted_kernels(kernel: FactoredKernel) -> int:
+  """How many of x - k eta c (k = 1..K-1) a capture holds."""
+  return min(kernel.steps - 1,
+             SHIFTED_KERNELS_BYTES // (4 * kernel.inputs * kernel.units))
+
+
 # A batch size the probe trace below gives the model: a layer whose input
 # has another number of rows does not see one row per example.
 _PROBE_ROWS = 7
@@ -237,11 +243,8 @@ class _Capture:
     zeros = lambda *shape: tf.Variable(tf.zeros(shape), trainable=False)
     self.rows = zeros(2 * kernel.rows, kernel.inputs)
     self.right = zeros(2 * kernel.rows, kernel.units)
-    kernel_bytes = 4 * kernel.inputs * kernel.units
-    self.shifted = [
-        zeros(kernel.inputs, kernel.units)
-        for _ in range(min(kernel.steps - 1,
-                           SHIFTED_KERNELS_BYTES // kernel_bytes))]
+    self.shifted = [zeros(kernel.inputs, kernel.units)
+                    for _ in range(_shifted_kernels(kernel))]
     # c itself, for the steps past the shifted kernels.
     self.server_control_variate = (
         zeros(kernel.inputs, kernel.units)
@@ -420,7 +423,7 @@ _RESHAPING_LAYERS = (tf.keras.layers.InputLayer, tf.keras.layers.Flatten,
                      tf.keras.layers.Reshape)
 
 # The most a chunk of clients' held first-layer inputs may take
-# (`shared_products`): a chunk of the benchmark's clients is 18.
+# (`shared_products`): a chunk of the benchmark's clients is 19.
 SHARED_CHUNK_BYTES = 32 << 20
 
 
@@ -455,10 +458,8 @@ def shareable(model_fn, kernels: Sequence[FactoredKernel],
     layers = _kernel_layers(model, parts)
     for kernel in kernels:
       layer = layers.get(kernel.variable_index)
-      shifted = min(kernel.steps - 1,
-                    SHIFTED_KERNELS_BYTES // (4 * kernel.inputs *
-                                              kernel.units))
-      if (layer is None or kernel.batch < 2 or shifted < kernel.steps - 1
+      if (layer is None or kernel.batch < 2
+          or _shifted_kernels(kernel) < kernel.steps - 1
           or _left_operand_model(parts(model)[0], layer) is None):
         return False
   return True
