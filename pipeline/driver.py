@@ -722,8 +722,10 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
 
   next_plan = plan_of(start_round + 1)
   # The newest round whose server state, client-state index and metrics row
-  # agree, which a Ctrl-C checkpoints; None from a round's commit to its
-  # row (the index then names the round's states, the state does not).
+  # agree, which a Ctrl-C checkpoints; None from a round's commit of client
+  # states to its row (the index then names the round's states, the state
+  # does not). Without client states it stays the previous round's while a
+  # round's row (its evaluation) is made.
   completed = (start_round, server_state)
   try:
     for round_num in range(start_round + 1, config.total_rounds + 1):
@@ -742,9 +744,11 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                        if next_plan is not None else [])
       new_state, metrics = process.next(server_state, groups, round_num,
                                         plan.server_seed)
-      completed = None
       server_state = new_state
       if keeper:
+        # The files the previous round's index named may go with the
+        # commit: until this round's row, no round can be checkpointed.
+        completed = None
         keeper.commit(plan.client_indices, round_num)
       row = evaluation.flatten_metrics(metrics)
       row['round_seconds'] = time.perf_counter() - started

@@ -103,6 +103,27 @@ def test_a_run_that_fails_before_its_first_row_leaves_no_events_file(
   assert not tensorboard.exists() or not os.listdir(tensorboard)
 
 
+def test_a_ctrl_c_while_a_round_is_evaluated_checkpoints_the_round_before(
+    fedavg, task, tmp_path):
+  # A Ctrl-C after round 4's training, before its row, found no round to
+  # checkpoint: the run kept round 2's, though round 3's row was written.
+  def interrupt_in_round_4(round_num):
+    if round_num == 4:
+      raise KeyboardInterrupt
+    return {}
+
+  config = driver.RunConfig(root_output_dir=str(tmp_path),
+                            experiment_name='stopped', total_rounds=6,
+                            clients_per_round=3, rounds_per_checkpoint=2)
+  with pytest.raises(KeyboardInterrupt):
+    driver.train(fedavg, task, config, {'name': 'stopped'},
+                 round_metrics=interrupt_in_round_4)
+  assert sorted(os.listdir(tmp_path / 'stopped' / 'checkpoints')) == [
+      'round_0', 'round_2', 'round_3']
+  rows = read_metrics(tmp_path / 'stopped' / 'metrics.csv')
+  assert [r['round_num'] for r in rows] == ['1', '2', '3']
+
+
 def test_other_seed_gives_other_run(fedavg, task, tmp_path):
   a = run(fedavg, task, tmp_path, 'seed0', 1, seed=0)
   b = run(fedavg, task, tmp_path, 'seed1', 1, seed=1)
