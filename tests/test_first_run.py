@@ -94,9 +94,11 @@ def test_demo_learns_and_prints_no_tensorflow_errors_or_warnings(tmp_path):
 @pytest.mark.time_limit(900)
 def test_test_script_startup_prints_no_tensorflow_errors_or_warnings():
   # test.sh's pytest command on one small test file: its output is what a
-  # user sees of the suite besides the test results.
+  # user sees of the suite besides the test results. One xdist worker: each
+  # prints what the others do, and imports TensorFlow for it.
   result = _run([*_exec_command(_script('test.sh')), '-p', 'no:cacheprovider',
-                 'tests/test_time_limit.py'], env=_user_environment())
+                 '-n', '1', 'tests/test_time_limit.py'],
+                env=_user_environment())
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   output = result.stdout + result.stderr
   assert '2 passed' in output
