@@ -11,6 +11,7 @@ skipped.
 
 import csv
 import io
+import math
 import os
 
 from absl import flags
@@ -64,6 +65,13 @@ def read_curve(run_dir: str, metric: str) -> tuple[list[int], list[float]]:
                      f'({type(e).__name__}: {app.first_line(e)})') from e
   if not points:
     raise UsageError(f'{path} has no values of --metric={metric}')
+  finite = [v for _, v in points if math.isfinite(v)]
+  if finite and not math.isfinite(max(finite) - min(finite)):
+    # matplotlib's tick locator failed on such a span: an IndexError
+    # traceback. A metric of float32 math never spans that far.
+    raise UsageError(f'{path} holds --metric={metric} values from '
+                     f'{min(finite):g} to {max(finite):g}, a span no plot '
+                     'axis holds; binaries.train writes no such values')
   points.sort()
   return [r for r, _ in points], [v for _, v in points]
 

@@ -116,6 +116,10 @@ def test_plot_rejects_an_unknown_metric(tmp_path):
     # Was a KeyError traceback.
     (b'round,eval/auc\n1,0.5\n', 'is not a metrics file of binaries.train '
      '(it has no round_num column)'),
+    # Was an IndexError traceback in matplotlib's tick locator.
+    (b'round_num,eval/auc\n1,1e308\n2,-1e308\n', 'holds --metric=eval/auc '
+     'values from -1e+308 to 1e+308, a span no plot axis holds; '
+     'binaries.train writes no such values'),
 ])
 def test_plot_refuses_a_damaged_metrics_file(tmp_path, content, error):
   (tmp_path / 'a').mkdir()
