@@ -266,7 +266,7 @@ def remove_temp_dir_on_fatal_signals() -> None:
     signal.signal(signum, handler)
 
 
-def _interrupt_once(signum, frame):
+def interrupt_once(signum, frame):
   """SIGINT: KeyboardInterrupt the first time, then ignored. A second one (a
   second Ctrl-C, or GNU `timeout -s INT`, which signals the process and then
   its process group) interrupted the clean-up with a traceback. Inside
@@ -280,7 +280,7 @@ def _interrupt_once(signum, frame):
 def terminate_once(signum, frame):
   """SIGTERM: the first one stops the binary as a Ctrl-C does
   (`interrupts.terminate`: its newest finished round checkpointed, one line,
-  status 143), then ignored, as `_interrupt_once` ignores a second SIGINT:
+  status 143), then ignored, as `interrupt_once` ignores a second SIGINT:
   GNU `timeout` sends it to the process and then to its process group, and
   a cluster's scheduler sends SIGKILL when its grace period ends."""
   del signum, frame
@@ -339,7 +339,7 @@ def run(main, allow_positional_args: bool = False) -> None:
   tff_runtime.install_shutdown_hooks()
   private_temp.use_private_temp_dir()
   remove_temp_dir_on_fatal_signals()
-  signal.signal(signal.SIGINT, _interrupt_once)
+  signal.signal(signal.SIGINT, interrupt_once)
   signal.signal(signal.SIGTERM, terminate_once)
   sys.unraisablehook = unraisable_unless_interrupt
 

@@ -140,7 +140,10 @@ def run_main(main: Callable[[], int], runs_kept: bool = True) -> None:
   private_temp.use_private_temp_dir()
   app.remove_temp_dir_on_fatal_signals()
   # A SIGTERM stops it as a Ctrl-C does, as it stops the binaries (it ended
-  # the experiment at once: no line, killed by the signal).
+  # the experiment at once: no line, killed by the signal); a second
+  # Ctrl-C or SIGTERM changes nothing (it could cut the first one's line
+  # short with a traceback).
+  signal.signal(signal.SIGINT, app.interrupt_once)
   signal.signal(signal.SIGTERM, app.terminate_once)
   # One that lands in a finalizer or gc callback is lost there (the run
   # stops at its next interrupts.check()); Python's report of it is not

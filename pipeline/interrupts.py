@@ -116,6 +116,9 @@ def run_coroutine(coroutine):
 
 # Programs (`python -m <package>.<name>`) that run through `app.run`.
 _APP_PACKAGES = ('binaries.', 'benchmarks.')
+# The scripted experiments, which run through `experiments.cli.run_main`
+# (its own lines once it runs; stopped while importing, as the binaries).
+_EXPERIMENTS_PACKAGE = 'experiments.'
 
 
 def _main_program() -> str:
@@ -138,7 +141,8 @@ def message(cause: Optional[str] = None) -> str:
   if cause is None:
     cause = _cause[0]
   program = _main_program()
-  if program.startswith(_APP_PACKAGES) and program not in _RESUMING_PROGRAMS:
+  if (program.startswith(_APP_PACKAGES) and program not in _RESUMING_PROGRAMS
+      or program.startswith(_EXPERIMENTS_PACKAGE)):
     return cause + _STARTS_OVER
   return cause + _GOES_ON
 
@@ -146,16 +150,16 @@ def message(cause: Optional[str] = None) -> str:
 def _runs_as_app_program() -> bool:
   if sys.argv[:1] == ['-m']:  # `python -m binaries.x`: its package imports.
     return True
-  return _main_program().startswith(_APP_PACKAGES)
+  return _main_program().startswith((*_APP_PACKAGES, _EXPERIMENTS_PACKAGE))
 
 
 def exit_at_once_while_starting() -> None:
   """Ctrl-C (or SIGTERM) while a binary imports TensorFlow and TFF (seconds;
   nothing is written yet) ends it with the binary's one error line and
   status 130 (143), not an import traceback (a SIGTERM: no line, killed by
-  the signal), until its `app.run` installs its own handlers. Only for the
-  programs that run through `app.run`: one that imports the package, e.g.
-  pytest, keeps its own."""
+  the signal), until its `app.run` (an experiment's `run_main`) installs
+  its own handlers. Only for the programs that run through those: one that
+  imports the package, e.g. pytest, keeps its own."""
   if not _runs_as_app_program():
     return
   # The import of TensorFlow captures file descriptor 2 for a while
