@@ -45,6 +45,7 @@ _RESUMING_PROGRAMS = ('binaries.train',)
 
 _depth = 0
 _pending = False
+_starting_handlers = False  # exit_at_once_while_starting's, installed.
 _requested = False
 # What stopped this process first: its line's cause and its exit status.
 _cause = ('interrupted', EXIT_INTERRUPTED)
@@ -141,7 +142,8 @@ def message(cause: Optional[str] = None) -> str:
   if cause is None:
     cause = _cause[0]
   program = _main_program()
-  if (program.startswith(_APP_PACKAGES) and program not in _RESUMING_PROGRAMS
+  if ((program.startswith(_APP_PACKAGES)
+       and program not in _RESUMING_PROGRAMS)
       or program.startswith(_EXPERIMENTS_PACKAGE)):
     return cause + _STARTS_OVER
   return cause + _GOES_ON
@@ -160,8 +162,12 @@ def exit_at_once_while_starting() -> None:
   the signal), until its `app.run` (an experiment's `run_main`) installs
   its own handlers. Only for the programs that run through those: one that
   imports the package, e.g. pytest, keeps its own."""
-  if not _runs_as_app_program():
+  global _starting_handlers
+  # `python -m experiments.x` comes here twice: from `experiments` and from
+  # `binaries`, which its cli imports.
+  if _starting_handlers or not _runs_as_app_program():
     return
+  _starting_handlers = True
   # The import of TensorFlow captures file descriptor 2 for a while
   # (tf_logs.stderr_without); the line goes to the real stderr.
   stderr = os.dup(2)

@@ -125,6 +125,7 @@ def _kernel_layers(model, parts=tff_model_parts
 # model (`_Capture`); steps past them take one more product of their batch.
 SHIFTED_KERNELS_BYTES = 64 << 20
 
+
 def _shifted_kernels(kernel: FactoredKernel) -> int:
   """How many of x - k eta c (k = 1..K-1) a capture holds."""
   return min(kernel.steps - 1,
