@@ -8,6 +8,7 @@ default and help; a field several algorithms share is one flag.
 import dataclasses
 import json
 import math
+import re
 import typing
 from typing import Any, Callable, Optional, Union
 
@@ -456,6 +457,26 @@ def _json_type_misfit(flag: flags.Flag, value: Any) -> Optional[str]:
           f'takes {wanted}')
 
 
+def blame_stored_value(error: UsageError,
+                       stored_in: Optional[str]) -> UsageError:
+  """`error`, naming `stored_in` (the run's hparams.json that supplied the
+  flags not given: evaluate, export) when the flag it starts with
+  (`--name...`) was not given: that value is the file's, not one typed."""
+  name = re.match(r'--(\w+)', str(error))
+  # A data location's fault is the data's (moved, not prepared).
+  if (stored_in and name and name.group(1) in FLAGS and
+      not FLAGS[name.group(1)].present and
+      name.group(1) not in _DATA_LOCATION_FLAGS):
+    return UsageError(f'{stored_in}: {error} (the value this file records: '
+                      'it is damaged)')
+  return error
+
+
+def _setting_usage_error(e: settings_lib.SettingError,
+                         stored_in: Optional[str]) -> UsageError:
+  return blame_stored_value(UsageError(f'--{e}'), stored_in)
+
+
 def parse_stored(name: str, value: Any, path: str) -> Any:
   """The value of --`name` that hparams.json (at `path`) records;
   UsageError naming the key if no such flag takes it: the file is
@@ -642,14 +663,15 @@ def require_known_names(stored_in: Optional[str] = None) -> None:
                        f'{", ".join(known)}')
 
 
-def build_algorithm(task: task_base.Task):
+def build_algorithm(task: task_base.Task, stored_in: Optional[str] = None):
   """The round definition of --algorithm on `task` from the flags; a
-  setting it cannot take is a UsageError naming the flag."""
-  settings = algorithm_settings(FLAGS.algorithm)
+  setting it cannot take is a UsageError naming the flag (and `stored_in`,
+  the hparams.json that supplied the flags not given)."""
+  settings = algorithm_settings(FLAGS.algorithm, stored_in)
   try:
     return algorithm_registry.build(FLAGS.algorithm, task, settings)
   except settings_lib.SettingError as e:
-    raise UsageError(f'--{e}') from e
+    raise _setting_usage_error(e, stored_in) from e
 
 
 def unused_algorithm_flags(algorithm: str) -> frozenset:
@@ -660,8 +682,9 @@ def unused_algorithm_flags(algorithm: str) -> frozenset:
   return frozenset(ALGORITHM_FLAGS) - used
 
 
-def algorithm_settings(algorithm: str):
-  """The settings of `algorithm` from the flags; UsageError if impossible."""
+def algorithm_settings(algorithm: str, stored_in: Optional[str] = None):
+  """The settings of `algorithm` from the flags; UsageError if impossible
+  (`stored_in`: as `build_algorithm`'s)."""
   settings_class = algorithm_registry.settings_class(algorithm)
   app.check_flags_apply(
       f'algorithm={algorithm}',
@@ -673,7 +696,7 @@ def algorithm_settings(algorithm: str):
         f.name: FLAGS[f.name].value for f in fields
         if not (_default_per_algorithm(f) and FLAGS[f.name].value is None)})
   except settings_lib.SettingError as e:
-    raise UsageError(f'--{e}') from e
+    raise _setting_usage_error(e, stored_in) from e
   for field in fields:
     if _default_per_algorithm(field):
       # hparams.json records the value the run used.
@@ -681,8 +704,11 @@ def algorithm_settings(algorithm: str):
   return settings
 
 
-def aggregator_settings(task: task_base.Task) -> factories.AggregatorSettings:
-  """The model-update aggregator of the flags; UsageError if impossible.
+def aggregator_settings(
+    task: task_base.Task,
+    stored_in: Optional[str] = None) -> factories.AggregatorSettings:
+  """The model-update aggregator of the flags; UsageError if impossible
+  (`stored_in`: as `build_algorithm`'s).
 
   Fills the DP defaults that depend on the run (the mean's denominator, the
   accountant's delta) into the flags, so hparams.json records them.
@@ -724,7 +750,7 @@ def aggregator_settings(task: task_base.Task) -> factories.AggregatorSettings:
         **{field: FLAGS[field].value
            for field in ('aggregator',) + factories.FIELDS[name]})
   except settings_lib.SettingError as e:
-    raise UsageError(f'--{e}') from e
+    raise _setting_usage_error(e, stored_in) from e
 
 
 def fixed_on_resume(definition) -> dict[str, str]:

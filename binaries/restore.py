@@ -39,11 +39,15 @@ def run_dir() -> str:
                                     FLAGS.experiment_name)
 
 
+def _hparams_path() -> str:
+  return os.path.join(run_dir(), run_directory.HPARAMS_FILE)
+
+
 def load_run_flags() -> None:
   """Fills flags the user did not set from the run's hparams.json; another
   value of one that changes results is a UsageError."""
   directory = run_dir()
-  path = os.path.join(directory, run_directory.HPARAMS_FILE)
+  path = _hparams_path()
   if not os.path.lexists(path):
     raise UsageError(f'{path} not found: --experiment_name/--root_output_dir '
                      'must name a run directory made by binaries.train')
@@ -94,7 +98,10 @@ def load_run_flags() -> None:
 def build_task():
   if FLAGS.runtime == 'tff':  # The native runtime never starts TFF's.
     tff_runtime.configure_execution(FLAGS.max_concurrent_computation_calls)
-  return task_registry.build_task(FLAGS.task, flags_lib.data_config())
+  try:
+    return task_registry.build_task(FLAGS.task, flags_lib.data_config())
+  except UsageError as e:
+    raise flags_lib.blame_stored_value(e, _hparams_path()) from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +118,7 @@ class Checkpoint:
 
 def load_checkpoint(task) -> Checkpoint:
   """The chosen checkpoint (--checkpoint_round, default the latest)."""
-  definition = flags_lib.build_algorithm(task)
+  definition = flags_lib.build_algorithm(task, _hparams_path())
   checkpoints = driver.CheckpointManager(
       os.path.join(run_dir(), run_directory.CHECKPOINTS_DIR), keep=0)
   rounds = checkpoints.rounds()
@@ -126,8 +133,9 @@ def load_checkpoint(task) -> Checkpoint:
         f'checkpoint of that round (it has rounds '
         f'{", ".join(map(str, rounds))})')
   # The run's aggregator state is part of its checkpoints' structure.
-  aggregator = factories.build(flags_lib.aggregator_settings(task),
-                               FLAGS.clients_per_round)
+  aggregator = factories.build(
+      flags_lib.aggregator_settings(task, _hparams_path()),
+      FLAGS.clients_per_round)
   process = driver.compose_process(
       definition, task, FLAGS.runtime,
       driver.state_format(definition, _client_state_dir()), aggregator)

@@ -21,6 +21,14 @@ from tasks import residual
 from tff_algos import tff_internals
 
 
+def tensorflow_datasets():
+  """The `tensorflow_datasets` module, imported at first use: its import is
+  about 1 s of every binary's start, and only the TFDS-backed tasks (CIFAR,
+  Wikipedia) read it."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  return tfds
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Batching of client and central data (from the binaries' flags)."""

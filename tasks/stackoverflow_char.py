@@ -39,7 +39,6 @@ from typing import Callable
 
 import numpy as np
 import tensorflow as tf
-import tensorflow_datasets as tfds
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
@@ -271,7 +270,7 @@ class Wikipedia:
                        f'{WIKIPEDIA} (no {dataset_dir}); prepare it with '
                        'tfds build, or pass --use_synthetic_data')
     try:
-      self._builder = tfds.builder(WIKIPEDIA, data_dir=config.data_dir)
+      self._builder = base.tensorflow_datasets().builder(WIKIPEDIA, data_dir=config.data_dir)
       split = self._builder.info.splits['train']
     except Exception as e:  # pylint: disable=broad-except
       raise UsageError(f'cannot read TFDS {WIKIPEDIA} in --data_dir='
@@ -335,8 +334,9 @@ class Wikipedia:
     """Every article, once, in a fixed order."""
     if self._synthetic:
       return tf.data.Dataset.from_tensor_slices(self._articles)
-    return tfds.load(WIKIPEDIA, split='train', data_dir=self._data_dir,
-                     download=False, shuffle_files=False)
+    return base.tensorflow_datasets().load(
+        WIKIPEDIA, split='train', data_dir=self._data_dir, download=False,
+        shuffle_files=False)
 
   def eval_articles(self) -> tf.data.Dataset:
     return self._articles_once().filter(_is_wikipedia_eval_article)

@@ -617,6 +617,21 @@ CASES = [
          lambda p: f'{p.base}/hparams.json: seed="abc" is not a valid --seed '
          '(a string where it takes an integer): the file is damaged',
          setup=edit_hparams(seed='abc')),
+    # Values of the right type that no setting takes were reported as flags
+    # the user had typed.
+    Case('hparams_impossible_setting', 'evaluate', of_base(),
+         lambda p: f'{p.base}/hparams.json: --client_learning_rate must be a '
+         'finite number > 0 (the step size of the client_optimizer), got -1.0 '
+         '(the value this file records: it is damaged)',
+         setup=edit_hparams(client_learning_rate=-1)),
+    Case('hparams_impossible_aggregator_setting', 'export', of_base(),
+         lambda p: f'{p.base}/hparams.json: --dp_noise_multiplier is needed by '
+         '--aggregator=dp (the value this file records: it is damaged)',
+         setup=edit_hparams(aggregator='dp')),
+    Case('hparams_impossible_task_option', 'evaluate', of_base(),
+         lambda p: f'{p.base}/hparams.json: --num_clients=0 is impossible for '
+         '1500 examples (allowed: 1..1500) (the value this file records: it '
+         'is damaged)', setup=edit_hparams(num_clients=0)),
     # Both were "other values of flags that change results: --... (run:
     # [1, 2], now: 0.01)", advising --allow_flag_changes.
     Case('resume_with_a_wrong_type_in_hparams', 'train', resume_base(),
