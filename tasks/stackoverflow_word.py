@@ -72,6 +72,13 @@ def _read_word_counts(path: str, vocab_size: int) -> collections.OrderedDict:
     # TFF's task builder refused the empty vocabulary with a traceback.
     raise UsageError(f'the StackOverflow vocabulary {path} holds no words '
                      '(lines `word count`)')
+  if len(counts) < vocab_size:
+    # TFF's file holds millions of words; a shorter one (e.g. a copy cut off
+    # at a line's end) trained a smaller model than the flags recorded.
+    raise UsageError(f'the StackOverflow vocabulary {path} holds '
+                     f'{len(counts)} words, fewer than --word_vocab_size='
+                     f'{vocab_size}; pass a --word_vocab_size of at most '
+                     f'{len(counts)}, or restore the file')
   return counts
 
 

@@ -334,6 +334,24 @@ def test_word_task_with_a_vocabulary_cut_mid_line_is_a_usage_error(
     so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
 
 
+def test_word_task_with_fewer_words_than_its_vocabulary_is_a_usage_error(
+    sources, tmp_path):
+  # It trained a model of 2 words + 4 special tokens, recorded as 10000.
+  import shutil  # pylint: disable=import-outside-toplevel
+  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
+  (tmp_path / 'stackoverflow.word_count').write_text('the 5000\ncode 12\n')
+  with pytest.raises(UsageError, match=(
+      r"^the StackOverflow vocabulary .*stackoverflow.word_count holds 2 "
+      r"words, fewer than --word_vocab_size=10000; pass a --word_vocab_size "
+      r"of at most 2, or restore the file$")):
+    so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
+  task = so_word.build_task(base.DataConfig(
+      cache_dir=str(tmp_path), options={'word_vocab_size': 2,
+                                        'model_width': 0.02}))
+  # 2 words + pad, oov, bos, eos.
+  assert task.keras_model_fn().output_shape == (None, None, 6)
+
+
 @pytest.mark.parametrize('damage, found', [
     # Read by the evaluation in this process.
     (lambda content: content[:len(content) // 2], 'truncated record at 3301'),
