@@ -311,43 +311,40 @@ def test_a_client_id_that_is_not_text_is_named(sources, tmp_path):
       "file's examples and client_metadata tables")
 
 
-def test_word_task_with_an_empty_vocabulary_is_a_usage_error(sources,
-                                                            tmp_path):
-  # TFF's task builder raised a ValueError: a traceback.
+def _cache_with_word_counts(sources, directory, text: str) -> str:
+  """A --cache_dir of the fixture's StackOverflow data and `text` as its
+  stackoverflow.word_count."""
   import shutil  # pylint: disable=import-outside-toplevel
-  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
-  (tmp_path / 'stackoverflow.word_count').write_text('')
-  with pytest.raises(UsageError, match='stackoverflow.word_count holds no '
-                     'words'):
-    so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
+  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', directory)
+  (directory / 'stackoverflow.word_count').write_text(text)
+  return str(directory)
 
 
-def test_word_task_with_a_vocabulary_cut_mid_line_is_a_usage_error(
-    sources, tmp_path):
-  # "code 12" of "code 1234": the cut count parsed and the file trained.
-  import shutil  # pylint: disable=import-outside-toplevel
-  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
-  (tmp_path / 'stackoverflow.word_count').write_text('the 5000\ncode 12')
-  with pytest.raises(UsageError, match=(
-      r"^cannot read the StackOverflow vocabulary .*stackoverflow.word_count: "
-      r"its last line 'code 12' has no newline")):
-    so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
+@pytest.mark.parametrize('text, error', [
+    # TFF's task builder raised a ValueError: a traceback.
+    ('', 'stackoverflow.word_count holds no words'),
+    # "code 12" of "code 1234": the cut count parsed and the file trained.
+    ('the 5000\ncode 12',
+     r"^cannot read the StackOverflow vocabulary .*stackoverflow.word_count: "
+     r"its last line 'code 12' has no newline"),
+    # It trained a model of 2 words + 4 special tokens, recorded as 10000.
+    ('the 5000\ncode 12\n',
+     r"^the StackOverflow vocabulary .*stackoverflow.word_count holds 2 "
+     r"words, fewer than --word_vocab_size=10000; pass a --word_vocab_size "
+     r"of at most 2, or restore the file$"),
+])
+def test_word_task_with_a_damaged_vocabulary_is_a_usage_error(
+    sources, tmp_path, text, error):
+  with pytest.raises(UsageError, match=error):
+    so_word.build_task(base.DataConfig(
+        cache_dir=_cache_with_word_counts(sources, tmp_path, text)))
 
 
-def test_word_task_with_fewer_words_than_its_vocabulary_is_a_usage_error(
-    sources, tmp_path):
-  # It trained a model of 2 words + 4 special tokens, recorded as 10000.
-  import shutil  # pylint: disable=import-outside-toplevel
-  shutil.copy(f'{sources["cache_dir"]}/{so_char.SQLITE_NAME}', tmp_path)
-  (tmp_path / 'stackoverflow.word_count').write_text('the 5000\ncode 12\n')
-  with pytest.raises(UsageError, match=(
-      r"^the StackOverflow vocabulary .*stackoverflow.word_count holds 2 "
-      r"words, fewer than --word_vocab_size=10000; pass a --word_vocab_size "
-      r"of at most 2, or restore the file$")):
-    so_word.build_task(base.DataConfig(cache_dir=str(tmp_path)))
+def test_word_task_takes_a_vocabulary_as_large_as_its_file(sources, tmp_path):
   task = so_word.build_task(base.DataConfig(
-      cache_dir=str(tmp_path), options={'word_vocab_size': 2,
-                                        'model_width': 0.02}))
+      cache_dir=_cache_with_word_counts(sources, tmp_path,
+                                        'the 5000\ncode 12\n'),
+      options={'word_vocab_size': 2, 'model_width': 0.02}))
   # 2 words + pad, oov, bos, eos.
   assert task.keras_model_fn().output_shape == (None, None, 6)
 
