@@ -464,6 +464,9 @@ class ClientStateKeeper:
     self._structure_fn = structure_fn
     self.index = client_states.StateIndex(client_ids)
     self._kept = {}  # Checkpoint round -> its versions.
+    # The clients (indices) of the last commit and the versions it replaced,
+    # until `release_superseded` deletes them.
+    self._superseded = None
     self._evictor = page_cache.ClosedFileEvictor(client_states.SUFFIX)
 
   def prepare(self, round_num: int, next_clients: Sequence[str]) -> None:
@@ -504,24 +507,35 @@ class ClientStateKeeper:
       self.checkpointed(round_num)
 
   def commit(self, indices, round_num: int) -> None:
-    """The clients at `indices` now have round `round_num`'s states.
-
-    The versions they replace go at once unless a kept checkpoint names
-    them: a long run then writes each round's states into the page-cache
-    pages the previous round freed, which costs a fraction of fresh ones
-    (docs/performance_log.md).
-    """
-    previous = self.index.versions_of(indices)
+    """The clients at `indices` now have round `round_num`'s states. The
+    versions they replace stay until `release_superseded`: until then the
+    round before can still be checkpointed (a Ctrl-C during this round's
+    evaluation)."""
+    self.release_superseded()
+    self._superseded = (np.asarray(indices, np.int64),
+                        self.index.versions_of(indices))
     self.index.commit(indices, round_num)
+
+  def release_superseded(self) -> None:
+    """Deletes the versions the last commit replaced that no kept checkpoint
+    names. Before the next round: it then writes its states into the
+    page-cache pages they freed, which costs a fraction of fresh ones
+    (docs/performance_log.md)."""
+    if self._superseded is None:
+      return
+    indices, previous = self._superseded
+    self._superseded = None
     client_states.delete_superseded(
         self.format, [self._client_ids[i] for i in indices], previous,
-        [versions[np.asarray(indices, np.int64)]
-         for versions in self._kept.values()])
+        [versions[indices] for versions in self._kept.values()])
 
-  def checkpointed(self, round_num: int) -> None:
-    """Round `round_num` was checkpointed: drop unreferenced files."""
+  def checkpointed(self, round_num: int,
+                   versions: Optional[np.ndarray] = None) -> None:
+    """Round `round_num` was checkpointed with `versions` (default: the
+    index's): drop unreferenced files."""
     kept_rounds = set(self._checkpoints.rounds())
-    self._kept[round_num] = self.index.versions.copy()
+    self._kept[round_num] = (self.index.versions if versions is None
+                             else versions).copy()
     for old in [r for r in self._kept if r not in kept_rounds]:
       del self._kept[old]
     for checkpoint_round in kept_rounds - set(self._kept):
@@ -627,16 +641,18 @@ def _client_versions(keeper: Optional[ClientStateKeeper]) -> np.ndarray:
 
 def _checkpoint_on_interrupt(checkpoints: CheckpointManager,
                              keeper: Optional[ClientStateKeeper],
-                             round_num: int, server_state) -> None:
-  """Checkpoints round `round_num`, the newest finished one, after a Ctrl-C:
-  re-running the command then goes on from it instead of the last periodic
-  checkpoint. The interrupted round's state files are left to the next
-  start, which removes them (its round is after the checkpoint)."""
+                             round_num: int, server_state,
+                             versions: np.ndarray) -> None:
+  """Checkpoints round `round_num`, the newest finished one, with its
+  server state and client-state `versions`, after a Ctrl-C: re-running the
+  command then goes on from it instead of the last periodic checkpoint.
+  The interrupted round's state files are left to the next start, which
+  removes them (its round is after the checkpoint)."""
   if checkpoints.latest_round() == round_num:
     return
-  checkpoints.save(round_num, server_state, _client_versions(keeper))
+  checkpoints.save(round_num, server_state, versions)
   if keeper:
-    keeper.checkpointed(round_num)
+    keeper.checkpointed(round_num, versions)
   logging.info('Interrupted: checkpointed round %d', round_num)
 
 
@@ -721,12 +737,10 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                       config.clients_per_round)
 
   next_plan = plan_of(start_round + 1)
-  # The newest round whose server state, client-state index and metrics row
-  # agree, which a Ctrl-C checkpoints; None from a round's commit of client
-  # states to its row (the index then names the round's states, the state
-  # does not). Without client states it stays the previous round's while a
-  # round's row (its evaluation) is made.
-  completed = (start_round, server_state)
+  # The newest round with its metrics row, server state and client-state
+  # versions, which a Ctrl-C checkpoints. The files of those versions stay
+  # until the next round's row (`release_superseded`).
+  completed = (start_round, server_state, _client_versions(keeper).copy())
   try:
     for round_num in range(start_round + 1, config.total_rounds + 1):
       interrupts.check()
@@ -746,9 +760,6 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                                         plan.server_seed)
       server_state = new_state
       if keeper:
-        # The files the previous round's index named may go with the
-        # commit: until this round's row, no round can be checkpointed.
-        completed = None
         keeper.commit(plan.client_indices, round_num)
       row = evaluation.flatten_metrics(metrics)
       row['round_seconds'] = time.perf_counter() - started
@@ -772,7 +783,10 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
           tensorboard = tff.program.TensorBoardReleaseManager(
               os.path.join(run_dir, 'tensorboard'))
         interrupts.run_coroutine(tensorboard.release(row, round_num))
-        completed = (round_num, server_state)
+        completed = (round_num, server_state,
+                     _client_versions(keeper).copy())
+      if keeper:
+        keeper.release_superseded()
       if round_num % config.rounds_per_checkpoint == 0 or last_round:
         checkpoints.save(round_num, server_state, _client_versions(keeper))
         if keeper:
@@ -793,8 +807,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
                                  keeper and keeper.view()))
   except (KeyboardInterrupt, BrokenPipeError):
     # A Ctrl-C, or the reader of the progress lines gone (`| head`).
-    if completed is not None:
-      _checkpoint_on_interrupt(checkpoints, keeper, *completed)
+    _checkpoint_on_interrupt(checkpoints, keeper, *completed)
     raise
   finally:
     progress.close()

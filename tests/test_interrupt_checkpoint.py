@@ -91,10 +91,13 @@ def test_ctrl_c_checkpoints_the_last_finished_round(tmp_path, monkeypatch,
   _assert_resumes_exactly(tmp_path, runtime)
 
 
-def test_ctrl_c_while_a_round_commits_checkpoints_nothing_new(tmp_path,
-                                                              monkeypatch):
-  # Once round 3's commit has deleted the states it replaced, round 2's
-  # index names files that are gone: the run goes on from round 0 instead.
+@pytest.mark.parametrize('runtime', ['native', 'tff'])
+def test_ctrl_c_after_a_rounds_commit_checkpoints_the_round_before(
+    tmp_path, monkeypatch, runtime):
+  # Round 3's commit deleted the states it replaced, so round 2's index
+  # named files that were gone: a Ctrl-C from there to round 3's row (e.g.
+  # during its evaluation) went back to round 0. They now stay until the
+  # row.
   commit = driver.ClientStateKeeper.commit
 
   def interrupted_commit(self, indices, round_num):
@@ -104,11 +107,12 @@ def test_ctrl_c_while_a_round_commits_checkpoints_nothing_new(tmp_path,
 
   monkeypatch.setattr(driver.ClientStateKeeper, 'commit', interrupted_commit)
   with pytest.raises(KeyboardInterrupt):
-    _train(tmp_path, 'run', 'native')
+    _train(tmp_path, 'run', runtime)
   monkeypatch.setattr(driver.ClientStateKeeper, 'commit', commit)
   run_dir = tmp_path / 'run'
-  assert sorted(os.listdir(run_dir / 'checkpoints')) == ['round_0']
-  _assert_resumes_exactly(tmp_path, 'native')
+  assert sorted(os.listdir(run_dir / 'checkpoints')) == ['round_0', 'round_2']
+  assert [r['round_num'] for r in _rows(run_dir)] == ['1', '2']
+  _assert_resumes_exactly(tmp_path, runtime)
 
 
 def test_ctrl_c_while_a_row_is_written_checkpoints_its_round(tmp_path,
