@@ -31,7 +31,8 @@ with the server state. So:
   bit-identical to an uninterrupted run;
 - files are garbage-collected when no kept checkpoint's index names them
   (`collect_garbage`), so an older kept checkpoint stays resumable; a state
-  a client replaces goes as soon as the round commits, unless a kept
+  a client replaces goes once the round that replaced it is logged (the
+  driver's `ClientStateKeeper.release_superseded`), unless a kept
   checkpoint names it (`delete_superseded`);
 - memory is O(train clients) for the index, whatever the number of clients
   ever sampled; states are only ever held one client at a time;
