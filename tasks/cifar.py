@@ -13,8 +13,9 @@ ResNet-8 (tasks.cifar_models; `--model_width` scales them down for tests).
 Data come from `tfds.builder(name, data_dir=--data_dir)`; without
 `--download` the prepared dataset must already be there. The partition is
 written to a client database in TFF's sqlite format (tasks.client_database):
-cached under `<--cache_dir>/partitions` when `--cache_dir` is given, else
-rebuilt in a temporary directory per process.
+cached under `<--cache_dir>/partitions` when `--cache_dir` is given (built
+again when a file of the prepared dataset changes), else rebuilt in a
+temporary directory per process.
 """
 
 import collections
@@ -207,7 +208,7 @@ def _build(spec: CifarSpec, config: base.DataConfig) -> base.Task:
     test_examples = lambda: source.split('test')
     source.split('test')  # A missing dataset fails here, before any work.
     load_train = source.train_arrays
-    source_name = source.location
+    source_name = client_database.source_fingerprint(source.location)
   if config.cache_dir and not config.use_synthetic_data:
     partition_dir = os.path.join(config.cache_dir, 'partitions')
   else:

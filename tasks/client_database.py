@@ -17,6 +17,7 @@ partition behind.
 
 import atexit
 import fcntl
+import hashlib
 import os
 import re
 import shutil
@@ -171,6 +172,28 @@ def _stored_fingerprint(path: str) -> Optional[str]:
   except sqlite3.Error:
     return None
   return row[0] if row else None
+
+
+def source_fingerprint(path: str) -> str:
+  """What a partition's fingerprint says of its source at `path` (a file, or
+  a directory such as a prepared TFDS dataset's): where it is and each
+  file's size and modification time, so that data replaced in place is
+  partitioned again, not read from a stale cache."""
+  if not os.path.exists(path):  # Not a local path (e.g. TFDS's gs://).
+    return path
+  path = os.path.abspath(path)
+  if not os.path.isdir(path):
+    stat = os.stat(path)
+    return f'{path} size={stat.st_size} mtime_ns={stat.st_mtime_ns}'
+  digest = hashlib.sha256()
+  for root, dirs, files in os.walk(path):
+    dirs.sort()
+    for name in sorted(files):
+      full = os.path.join(root, name)
+      stat = os.stat(full)
+      digest.update(f'{os.path.relpath(full, path)} {stat.st_size} '
+                    f'{stat.st_mtime_ns}\n'.encode())
+  return f'{path} files={digest.hexdigest()}'
 
 
 def materialize(

@@ -252,10 +252,8 @@ def build_task(config: base.DataConfig) -> base.Task:
     source, test, cache_dir = _load_real(config, only_digits)
     test_examples = lambda: test.create_tf_dataset_from_all_clients(seed=0)
     partition_dir = os.path.join(cache_dir, 'partitions')
-    database = os.path.join(cache_dir, SQLITE_NAME)
-    stat = os.stat(database)
-    fingerprint_source = (f'{os.path.abspath(database)} size={stat.st_size} '
-                          f'mtime_ns={stat.st_mtime_ns}')
+    fingerprint_source = client_database.source_fingerprint(
+        os.path.join(cache_dir, SQLITE_NAME))
   name = (f'emnist_{split}_similarity{similarity:g}_clients{num_clients}_'
           f'seed{config.seed}{"_synthetic" if config.use_synthetic_data else ""}'
           '.sqlite')

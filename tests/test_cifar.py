@@ -110,6 +110,30 @@ def test_clients_hold_the_dirichlet_partition(task, data_dir, cache_dir):
       assert set(y.numpy()) <= set(labels[indices])
 
 
+def test_the_cached_partition_is_built_again_when_the_data_change(
+    data_dir, tmp_path):
+  # It was keyed by the data's location alone: a dataset prepared again in
+  # place kept its old partition.
+  cache = str(tmp_path / 'cache')
+  cifar.build_cifar10(_config(data_dir, cache))
+  (name,) = os.listdir(os.path.join(cache, 'partitions'))
+  partition = os.path.join(cache, 'partitions', name)
+  built = os.stat(partition).st_ino
+  cifar.build_cifar10(_config(data_dir, cache))
+  assert os.stat(partition).st_ino == built  # Reused.
+  version_dir = tfds.builder('cifar10', data_dir=data_dir).data_dir
+  shard = sorted(f for f in os.listdir(version_dir) if 'train' in f)[0]
+  stat = os.stat(os.path.join(version_dir, shard))
+  try:
+    os.utime(os.path.join(version_dir, shard),
+             ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    cifar.build_cifar10(_config(data_dir, cache))
+  finally:
+    os.utime(os.path.join(version_dir, shard),
+             ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  assert os.stat(partition).st_ino != built  # Built again, then renamed.
+
+
 def test_full_participation_by_default(task):
   assert task.default_clients_per_round == NUM_CLIENTS
 
