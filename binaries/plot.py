@@ -40,26 +40,29 @@ def read_curve(run_dir: str, metric: str) -> tuple[list[int], list[float]]:
                      'directory written by binaries.train')
   try:
     with open(path, newline='', encoding='utf-8') as f:
-      reader = csv.DictReader(f)
-      columns = reader.fieldnames or []
-      if ROUND_COLUMN not in columns:
-        raise UsageError(f'{path} is not a metrics file of binaries.train '
-                         f'(it has no {ROUND_COLUMN} column)')
-      if metric not in columns:
-        available = ', '.join(c for c in columns if c != ROUND_COLUMN)
-        raise UsageError(f'--metric={metric} is not a column of {path}; '
-                         f'allowed: {available}')
-      points = []
-      for row in reader:
-        if row.get(metric) in (None, ''):
-          continue
-        try:
-          points.append((int(row[ROUND_COLUMN]), float(row[metric])))
-        except (ValueError, TypeError) as e:
-          raise UsageError(
-              f'{path} line {reader.line_num}: {ROUND_COLUMN}='
-              f'{row[ROUND_COLUMN]!r}, {metric}={row[metric]!r} are not a '
-              'round and a number') from e
+      text = f.read()
+    # A last line without its newline is a row the trainer is appending
+    # (a plot of a run in progress); its value may be cut short.
+    reader = csv.DictReader(io.StringIO(text[:text.rfind('\n') + 1]))
+    columns = reader.fieldnames or []
+    if ROUND_COLUMN not in columns:
+      raise UsageError(f'{path} is not a metrics file of binaries.train '
+                       f'(it has no {ROUND_COLUMN} column)')
+    if metric not in columns:
+      available = ', '.join(c for c in columns if c != ROUND_COLUMN)
+      raise UsageError(f'--metric={metric} is not a column of {path}; '
+                       f'allowed: {available}')
+    points = []
+    for row in reader:
+      if row.get(metric) in (None, ''):
+        continue
+      try:
+        points.append((int(row[ROUND_COLUMN]), float(row[metric])))
+      except (ValueError, TypeError) as e:
+        raise UsageError(
+            f'{path} line {reader.line_num}: {ROUND_COLUMN}='
+            f'{row[ROUND_COLUMN]!r}, {metric}={row[metric]!r} are not a '
+            'round and a number') from e
   except (UnicodeDecodeError, csv.Error) as e:
     raise UsageError(f'{path} is not a metrics file of binaries.train '
                      f'({type(e).__name__}: {app.first_line(e)})') from e

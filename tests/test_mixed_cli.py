@@ -87,6 +87,19 @@ def test_plot_writes_one_png_of_several_runs(tmp_path):
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
+def test_plot_of_a_run_in_progress_leaves_out_the_row_being_appended(
+    tmp_path):
+  # The trainer appends a row in pieces: a read that fell inside
+  # '3,0.8125' plotted round 3 at 0.0 ('3,0.') or 0.8 ('3,0.8').
+  from binaries import plot  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'a').mkdir()
+  for tail in ('3,0.', '3,0.8', '3'):
+    (tmp_path / 'a' / 'metrics.csv').write_text(
+        f'round_num,eval/auc\r\n1,0.5\r\n2,0.75\r\n{tail}')
+    assert plot.read_curve(str(tmp_path / 'a'), 'eval/auc') == ([1, 2],
+                                                                [0.5, 0.75])
+
+
 def _assert_plot_refuses(run_dir, metric, error):
   """plot of `run_dir`'s `metric` exits 2 with the one line `error: <error>`
   and writes no image."""
