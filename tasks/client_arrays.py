@@ -101,12 +101,25 @@ def build_task(name: str, config: base.DataConfig, train: ClientArrays,
     return {'': test.all_examples().batch(config.eval_batch_size).map(
         to_batch)}
 
+  # Personalized evaluation builds a dataset per client, eagerly. A
+  # `.map(to_batch)` on each traced `to_batch` anew with every table it
+  # captures (MovieLens' genres: 3.5 MB a client for movie ids up to 20000,
+  # 16 GB in all for ids up to 100000). Traced once here, it maps a
+  # client's rows all at once (it is row-wise) before they are batched.
+  examples_to_batch = tf.function(to_batch, autograph=False,
+                                  reduce_retracing=True)
+
+  def personal_examples(arrays: ClientArrays, client_id: str):
+    rows = {name: tf.convert_to_tensor(values)
+            for name, values in arrays.rows(client_id).items()}
+    return tf.data.Dataset.from_tensor_slices(examples_to_batch(rows))
+
   personal_eval_data = base.PersonalEvalData(
       client_ids=test.client_ids,
-      test_dataset_fn=lambda client_id: test.dataset(client_id).batch(
-          config.eval_batch_size).map(to_batch),
+      test_dataset_fn=lambda client_id: personal_examples(
+          test, client_id).batch(config.eval_batch_size),
       train_dataset_fn=lambda client_id, seed: base.client_batches(
-          train.dataset(client_id), config, seed).map(to_batch))
+          personal_examples(train, client_id), config, seed))
   return base.Task(
       name=name,
       train_client_ids=train.client_ids,

@@ -56,8 +56,9 @@ def load_ratings(movielens_dir: str) -> dict[str, np.ndarray]:
                                                     RATINGS_FILE))
 
 
-def load_genres(movielens_dir: str) -> np.ndarray:
-  """u.item -> genre flags [max movie id + 1, 19] (row = movie id)."""
+def load_genres(movielens_dir: str) -> tuple[np.ndarray, np.ndarray]:
+  """u.item -> (genre flags [max movie id + 1, 19] (row = movie id), whether
+  each id is listed)."""
   path = _require_file(movielens_dir, MOVIES_FILE)
   rows = {}
   with open(path, encoding='latin-1') as f:
@@ -74,8 +75,9 @@ def load_genres(movielens_dir: str) -> np.ndarray:
                            'mid-line)')
         if len(fields) != ITEM_FIELDS:
           raise ValueError(f'{len(fields)} fields, not {ITEM_FIELDS}')
-        movie = int(fields[0])
-        flags = [int(flag) for flag in fields[-NUM_GENRES:]]
+        movie = movielens_files.parse_int(fields[0])
+        flags = [movielens_files.parse_int(flag)
+                 for flag in fields[-NUM_GENRES:]]
         if not set(flags) <= {0, 1}:
           raise ValueError('a genre flag is not 0 or 1')
         if movie in rows:
@@ -92,9 +94,11 @@ def load_genres(movielens_dir: str) -> np.ndarray:
       raise UsageError(f'{path} has movie id {movie}: ids must be in '
                        f'1..{movielens_files.MAX_ID}')
   genres = np.zeros((max(rows) + 1, NUM_GENRES), np.float32)
+  listed = np.zeros(max(rows) + 1, bool)
   for movie, flags in rows.items():
     genres[movie] = flags
-  return genres
+    listed[movie] = True
+  return genres, listed
 
 
 def synthetic_data(seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -143,6 +147,8 @@ def temporal_split(ratings: dict[str, np.ndarray],
 def build_task(config: base.DataConfig) -> base.Task:
   if config.use_synthetic_data:
     ratings, genres = synthetic_data(config.seed)
+    listed = np.ones(len(genres), bool)
+    listed[0] = False
     source = 'the synthetic ratings'
   else:
     movielens_dir = config.options.get('movielens_dir')
@@ -153,10 +159,19 @@ def build_task(config: base.DataConfig) -> base.Task:
     if not os.path.isdir(movielens_dir):
       raise UsageError(f'--movielens_dir={movielens_dir} '
                        f'{not_a_directory(movielens_dir)}')
-    ratings, genres = load_ratings(movielens_dir), load_genres(movielens_dir)
+    ratings = load_ratings(movielens_dir)
+    genres, listed = load_genres(movielens_dir)
     source = os.path.join(movielens_dir, RATINGS_FILE)
-  if ratings['movie'].max() >= len(genres) or ratings['movie'].min() < 1:
-    raise UsageError('u.data rates movie ids missing from u.item')
+  rated = ratings['movie']
+  unlisted = rated[(rated < 0) | (rated >= len(listed))]
+  if not unlisted.size:
+    # A movie missing between listed ones trained with no genre at all.
+    unlisted = rated[~listed[rated]]
+  if unlisted.size:
+    raise UsageError(f'{source} rates movie {int(unlisted.min())}, which '
+                     f'{MOVIES_FILE} does not list (of {unlisted.size} '
+                     'ratings of unlisted movies); use the u.item of the '
+                     'same MovieLens release')
   if ratings['user'].min() < 0:
     raise UsageError('u.data has negative user ids')
   train_mask, test_mask = temporal_split(ratings)

@@ -329,7 +329,7 @@ CASES = [
                     '--use_synthetic_data',
                     '--movielens_context_length=2147483647',
                     '--experiment_name=new', f'--root_output_dir={p.root}'],
-         lambda p: '--movielens_context_length must be at most 10000000 (the '
+         lambda p: '--movielens_context_length must be at most 1000000 (the '
          'largest movie id), got 2147483647'),
     Case('positional_argument', 'train', lambda p: [*train_new()(p), 'extra'],
          lambda p: 'unexpected positional arguments: extra (every option is '

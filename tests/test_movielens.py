@@ -98,7 +98,7 @@ def test_bad_directories_and_files_are_usage_errors(tmp_path):
   # An id sizes the embedding table: 10^11 rows would exhaust the memory.
   _write(tmp_path / 'huge', 'u.data', ['1\t99999999999\t3\t4'])
   with pytest.raises(UsageError, match='has movie id 99999999999: ids index '
-                     'the embedding tables, so they must be at most 10000000'):
+                     'the embedding tables, so they must be at most 1000000'):
     build(str(tmp_path / 'huge'))
   # Beyond int64 it was an OverflowError traceback.
   _write(tmp_path / 'beyond', 'u.data', ['1\t2\t3\t4',
