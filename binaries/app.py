@@ -38,6 +38,7 @@ from pipeline import tff_runtime
 from pipeline.errors import DAMAGED_CLIENT_STATE
 from pipeline.errors import ENVIRONMENT_ERRNOS
 from pipeline.errors import EnvironmentFault
+from pipeline.errors import first_line
 from pipeline.errors import UsageError
 
 EXIT_USAGE = 2
@@ -80,14 +81,6 @@ def advice_for_experiments(message: str) -> str:
   for pattern, replacement in _EXPERIMENT_ADVICE:
     message = pattern.sub(replacement, message)
   return message
-
-
-def first_line(text) -> str:
-  """The gist of an error text: its first line, without TensorFlow's
-  `{{function_node ...}}` prefix and `[Op:...]` suffix."""
-  line = ' '.join(str(text).strip().splitlines()[:1])
-  line = re.sub(r'\{\{[^}]*\}\}\s*', '', line)
-  return re.sub(r'\s*\[Op:\w+\]( name: ?$)?', '', line)
 
 
 def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:

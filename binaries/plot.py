@@ -20,6 +20,7 @@ from binaries import app
 from pipeline import run_logs
 from pipeline.errors import ENVIRONMENT_ERRNOS
 from pipeline.errors import EnvironmentFault
+from pipeline.errors import first_line
 from pipeline.errors import UsageError
 
 FLAGS = flags.FLAGS
@@ -65,7 +66,7 @@ def read_curve(run_dir: str, metric: str) -> tuple[list[int], list[float]]:
             'round and a number') from e
   except (UnicodeDecodeError, csv.Error) as e:
     raise UsageError(f'{path} is not a metrics file of binaries.train '
-                     f'({type(e).__name__}: {app.first_line(e)})') from e
+                     f'({type(e).__name__}: {first_line(e)})') from e
   if not points:
     raise UsageError(f'{path} has no values of --metric={metric}')
   finite = [v for _, v in points if math.isfinite(v)]

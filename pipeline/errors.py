@@ -8,6 +8,7 @@ write-permission errors as environment faults).
 
 import errno
 import os
+import re
 import sys
 from typing import Optional
 
@@ -37,6 +38,14 @@ class EnvironmentFault(Exception):
   The message says what failed and how to recover; what was written before
   stays valid, so re-running the same command resumes.
   """
+
+
+def first_line(text) -> str:
+  """The gist of an error text: its first line, without TensorFlow's
+  `{{function_node ...}}` prefix and `[Op:...]` suffix."""
+  line = ' '.join(str(text).strip().splitlines()[:1])
+  line = re.sub(r'\{\{[^}]*\}\}\s*', '', line)
+  return re.sub(r'\s*\[Op:\w+\]( name: ?$)?', '', line)
 
 
 def raise_if_unreadable(path: str) -> None:

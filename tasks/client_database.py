@@ -214,6 +214,7 @@ def materialize(
   Returns:
     Clients `client_0..` as SqlClientData of serialized examples.
   """
+  _make_directory(os.path.dirname(os.path.abspath(path)))
   if not (os.path.exists(path) and _stored_fingerprint(path) == fingerprint):
     partition, serialized_examples = make_partition()
     _build(path, partition, serialized_examples, fingerprint)
@@ -266,6 +267,17 @@ def _remove_abandoned_staging_files(path: str) -> None:
       pass
 
 
+def _make_directory(directory: str) -> None:
+  """Makes the partitions' directory; UsageError if a file or a broken link
+  is in its place (it was a FileExistsError traceback)."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except (FileExistsError, NotADirectoryError) as e:
+    raise UsageError(f'{directory} cannot hold the cached client partitions: '
+                     f'{e.filename} is not a directory; move it, or pass '
+                     'another --cache_dir') from e
+
+
 def _build(path, partition, serialized_examples, fingerprint):
   ids = client_ids(len(partition))
   num_pooled = 1 + max((int(p.max()) for p in partition if len(p)), default=-1)
@@ -274,7 +286,6 @@ def _build(path, partition, serialized_examples, fingerprint):
     if np.any(owner[indices] >= 0):
       raise ValueError('partition assigns an example to two clients')
     owner[indices] = client
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   _remove_abandoned_staging_files(path)
   staging, lock_fd = _staging_file(path)
   try:

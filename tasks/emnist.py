@@ -25,6 +25,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from pipeline.errors import UsageError
+from pipeline.errors import first_line
 from pipeline.errors import load_error
 from tasks import base
 from tasks import client_database
@@ -127,12 +128,23 @@ class _SqliteSource:
 
   def labels(self) -> np.ndarray:
     chunks, chunk = [], []
-    for row in self._rows():
-      chunk.append(row)
-      if len(chunk) == _LABEL_CHUNK:
-        chunks.append(_labels_of(chunk))
-        chunk = []
-    chunks.append(_labels_of(chunk))
+    try:
+      for row in self._rows():
+        if not isinstance(row, bytes):
+          # A NULL or text record stopped the run with numpy's traceback.
+          raise ValueError(f'a record is {type(row).__name__}, not the '
+                           'bytes of a tf.train.Example')
+        chunk.append(row)
+        if len(chunk) == _LABEL_CHUNK:
+          chunks.append(_labels_of(chunk))
+          chunk = []
+      chunks.append(_labels_of(chunk))
+    except (ValueError, tf.errors.InvalidArgumentError) as e:
+      # E.g. a label of two values: TF's parse error, as a traceback.
+      raise UsageError(
+          f'{self._database} holds {self._split} examples that are not '
+          f'EMNIST examples ({first_line(e)}): it is damaged or not '
+          'TFF\'s EMNIST') from e
     labels = np.concatenate(chunks)
     outside = labels[(labels < 0) | (labels >= self._num_classes)]
     if outside.size:

@@ -215,6 +215,56 @@ def test_damaged_databases_are_usage_errors(tmp_path, parts, label_of,
   assert str(raised.value) == message.format(db=db)
 
 
+def _two_values_label(blob):
+  example = tf.train.Example.FromString(blob)
+  example.features.feature['label'].int64_list.value.append(1)
+  return example.SerializeToString()
+
+
+@pytest.mark.parametrize('damage, reason', [
+    # A NULL (in a file without TFF's NOT NULL) and a label of two values
+    # were tracebacks while the partition was made.
+    (lambda blob: 'text', 'a record is str, not the bytes of a '
+     'tf.train.Example'),
+    (_two_values_label, 'Name: <unknown>, Key: label, Index: 0.  Number of '
+     'int64 values != expected.  Values size: 2 but output shape: []'),
+])
+def test_a_train_record_that_is_no_emnist_example_is_a_usage_error(
+    tmp_path, damage, reason):
+  _write_emnist_sqlite(str(tmp_path))
+  db = tmp_path / 'emnist_all.sqlite'
+  with sqlite3.connect(db) as connection:
+    (rowid, blob), = connection.execute(
+        'SELECT rowid, serialized_example_proto FROM examples WHERE '
+        "split_name = 'all_train' ORDER BY client_id, rowid LIMIT 1"
+    ).fetchall()
+    connection.execute(
+        'UPDATE examples SET serialized_example_proto = ? WHERE rowid = ?',
+        (damage(blob), rowid))
+  with pytest.raises(UsageError) as raised:
+    emnist.build_task(_config(str(tmp_path)))
+  assert str(raised.value) == (
+      f'{db} holds all_train examples that are not EMNIST examples '
+      f"({reason}): it is damaged or not TFF's EMNIST")
+
+
+@pytest.mark.parametrize('dangling', [False, True])
+def test_a_file_in_place_of_the_partitions_directory_is_a_usage_error(
+    tmp_path, dangling):
+  _write_emnist_sqlite(str(tmp_path))
+  partitions = tmp_path / 'partitions'
+  if dangling:
+    partitions.symlink_to(tmp_path / 'nowhere')
+  else:
+    partitions.write_text('mine')
+  with pytest.raises(UsageError) as raised:
+    emnist.build_task(_config(str(tmp_path)))
+  assert str(raised.value) == (
+      f'{partitions} cannot hold the cached client partitions: {partitions} '
+      'is not a directory; move it, or pass another --cache_dir')
+  assert dangling or partitions.read_text() == 'mine'
+
+
 @pytest.mark.parametrize('role', ['train', 'test'])
 def test_a_split_without_examples_is_a_usage_error(tmp_path, role):
   # The test split's clients without rows: no evaluation was logged, with
