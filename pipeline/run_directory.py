@@ -54,6 +54,9 @@ RESULT_NEUTRAL_KEYS = frozenset({
     'total_rounds', 'rounds_per_eval', 'rounds_per_checkpoint',
     'root_output_dir', 'experiment_name',
     'cache_dir', 'data_dir', 'download', 'movielens_dir',
+    # Where the client states are: a moved store holds the same states (a
+    # resume checks every file its checkpoint names).
+    'client_state_dir',
     'runtime', 'num_workers', 'num_subrounds', 'worker_addresses',
     'max_concurrent_computation_calls', 'batched_cohorts',
     'task_defaults_applied', FLAG_CHANGES_KEY,

@@ -44,6 +44,25 @@ def _format(directory, specs=None):
                                     specs))
 
 
+def test_a_run_resumes_from_its_moved_store_as_the_refusal_advises(
+    train_binary, tmp_path):
+  # Following the advice (write the run's path into .owner), the re-run was
+  # refused again, as a changed flag needing --allow_flag_changes.
+  args = _args(tmp_path, 'run')
+  first = train_binary(*[a if not a.startswith('--total_rounds=') else
+                         '--total_rounds=2' for a in args])
+  assert first.returncode == 0, first.stderr[-3000:]
+  moved = tmp_path / 'moved'
+  (tmp_path / 'run' / 'client_states').rename(moved)
+  args = [*args, f'--client_state_dir={moved}']
+  refused = train_binary(*args)
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  assert 'write the run directory\'s path' in refused.stderr
+  (moved / '.owner').write_text(os.path.realpath(tmp_path / 'run') + '\n')
+  resumed = train_binary(*args)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
 @pytest.mark.parametrize('leaf_dtype', [np.int64, np.float32],
                          ids=['mixed_dtypes', 'one_dtype'])
 def test_states_round_trip_by_client_id_and_version(tmp_path, leaf_dtype):
