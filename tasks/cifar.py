@@ -135,7 +135,8 @@ class _TfdsSource:
   def __init__(self, spec: CifarSpec, config: base.DataConfig):
     self._spec = spec
     try:
-      self._builder = base.tensorflow_datasets().builder(spec.name, data_dir=config.data_dir)
+      self._builder = base.tensorflow_datasets().builder(
+          spec.name, data_dir=config.data_dir)
       if config.download and not self._builder.is_prepared():
         check_host_resolves(spec.url)
         self._builder.download_and_prepare()

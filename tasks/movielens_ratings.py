@@ -162,11 +162,10 @@ def build_task(config: base.DataConfig) -> base.Task:
     ratings = load_ratings(movielens_dir)
     genres, listed = load_genres(movielens_dir)
     source = os.path.join(movielens_dir, RATINGS_FILE)
+  # A movie missing between listed ones trained with no genre at all.
   rated = ratings['movie']
-  unlisted = rated[(rated < 0) | (rated >= len(listed))]
-  if not unlisted.size:
-    # A movie missing between listed ones trained with no genre at all.
-    unlisted = rated[~listed[rated]]
+  in_range = (rated >= 0) & (rated < len(listed))
+  unlisted = rated[~in_range | ~listed[np.where(in_range, rated, 0)]]
   if unlisted.size:
     raise UsageError(f'{source} rates movie {int(unlisted.min())}, which '
                      f'{MOVIES_FILE} does not list (of {unlisted.size} '

@@ -270,7 +270,8 @@ class Wikipedia:
                        f'{WIKIPEDIA} (no {dataset_dir}); prepare it with '
                        'tfds build, or pass --use_synthetic_data')
     try:
-      self._builder = base.tensorflow_datasets().builder(WIKIPEDIA, data_dir=config.data_dir)
+      self._builder = base.tensorflow_datasets().builder(
+          WIKIPEDIA, data_dir=config.data_dir)
       split = self._builder.info.splits['train']
     except Exception as e:  # pylint: disable=broad-except
       raise UsageError(f'cannot read TFDS {WIKIPEDIA} in --data_dir='

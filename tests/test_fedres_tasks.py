@@ -330,7 +330,8 @@ def test_personal_datasets_trace_the_tasks_batch_function_once(tmp_path):
   config = base.DataConfig(client_batch_size=2, client_steps=2,
                            eval_batch_size=2)
   task = client_arrays.build_task(
-      'counted', config, arrays, arrays, to_batch, tf.TensorSpec([None], tf.int32),
+      'counted', config, arrays, arrays, to_batch,
+      tf.TensorSpec([None], tf.int32),
       fedres_synthetic.logistic_spec(), None)
   data = task.personal_eval_data
   batches = [list(data.test_dataset_fn(client_id))

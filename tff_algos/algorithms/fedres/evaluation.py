@@ -18,6 +18,7 @@ from tasks import base
 from tasks import residual
 from tff_algos.algorithms.fedres import math as fedres_tf
 
+
 class PersonalizedEvaluator:
   """Evaluates in-process; the Keras models and metrics are built once."""
 
