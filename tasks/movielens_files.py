@@ -3,7 +3,8 @@
 ML-1M `ratings.dat`: `UserID::MovieID::Rating::Timestamp` per line.
 ML-100K `u.data`: `user<TAB>item<TAB>rating<TAB>timestamp` per line.
 Both give integer user and movie ids (from 1), ratings of whole stars 1..5
-and Unix timestamps, and end every line with a newline: a last line without
+and Unix timestamps, at most one rating of a movie per user, and end every
+line with a newline: a last line without
 one is a file cut off mid-line (its last field may be cut short and still
 parse), refused like a line that does not parse. Nothing is downloaded: the
 files must already be in the directory given by `--movielens_dir`.
@@ -48,7 +49,7 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
   """
   name = os.path.basename(path)
   separator, layout = RATINGS_FORMATS[name]
-  rows = []
+  rows, line_numbers = [], []
   with open(path, encoding='latin-1') as f:
     for line_number, line in enumerate(f, 1):
       if not line.strip():
@@ -71,6 +72,7 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
           raise ValueError(f'rating {row[2]} is outside {low}..{high} (whole '
                            'stars)')
         rows.append(row)
+        line_numbers.append(line_number)
       except ValueError as e:
         raise UsageError(f'{path}:{line_number} is not in the {name} format '
                          f'({layout}): {e}') from e
@@ -82,6 +84,19 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
     if largest > MAX_ID:
       raise UsageError(f'{path} has {label} id {largest}: ids index the '
                        f'embedding tables, so they must be at most {MAX_ID}')
+  # A second rating of a movie by its user (e.g. a file joined with a copy of
+  # itself) would count twice in training and could land in both splits.
+  pairs = table[:, 0] * (MAX_ID + 1) + table[:, 1]
+  _, first = np.unique(pairs, return_index=True)
+  if len(first) < len(pairs):
+    repeat = np.ones(len(pairs), bool)
+    repeat[first] = False
+    later = int(np.argmax(repeat))
+    earlier = int(np.argmax(pairs == pairs[later]))
+    raise UsageError(
+        f'{path}:{line_numbers[later]} rates movie {table[later, 1]} by user '
+        f'{table[later, 0]} again (line {line_numbers[earlier]}): a user rates '
+        'a movie once in MovieLens; restore the file')
   return {'user': table[:, 0], 'movie': table[:, 1],
           'rating': table[:, 2].astype(np.float32), 'timestamp': table[:, 3]}
 

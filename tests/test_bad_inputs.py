@@ -204,7 +204,7 @@ def corrupted_local_weights(p):
   with contextlib.closing(sqlite3.connect(copy_fedres_export(p))) as db:
     with db:
       db.execute("INSERT OR REPLACE INTO local_models VALUES ('0', "
-                 "x'00010203')")
+                 "x'00010203', '')")
 
 
 def non_finite_inputs(p):

@@ -226,6 +226,38 @@ def test_serving_refuses_damaged_local_models_and_non_finite_inputs(
   assert str(error.value) == (
       f'{path}: the local model of client {client!r} is 4 bytes, not 20 '
       'float32 values: the file is damaged')
+  with sqlite3.connect(path) as db:  # The right size, one bit changed.
+    other, blob = db.execute(
+        'SELECT client_id, local_weights FROM local_models WHERE client_id '
+        '!= ?', (client,)).fetchone()
+    changed = bytes([blob[0] ^ 1]) + blob[1:]
+    db.execute('UPDATE local_models SET local_weights = ? WHERE client_id = '
+               '?', (changed, other))
+  with pytest.raises(UsageError) as error:
+    server(other, x)
+  assert str(error.value) == (
+      f'{path}: the local model of client {other!r} does not match its '
+      'checksum: the file is damaged (or its rows were changed); export the '
+      'run again')
+  with sqlite3.connect(path) as db:  # Intact rows, under each other's ids.
+    db.execute('UPDATE local_models SET local_weights = ? WHERE client_id = '
+               '?', (blob, other))
+    rows = db.execute('SELECT client_id, local_weights, sha256 FROM '
+                      'local_models WHERE client_id != ? ORDER BY client_id '
+                      'LIMIT 2', (client,)).fetchall()
+    for (own_id, _, _), (_, blob, checksum) in zip(rows, rows[::-1]):
+      db.execute('UPDATE local_models SET local_weights = ?, sha256 = ? '
+                 'WHERE client_id = ?', (blob, checksum, own_id))
+  for own_id, _, _ in rows:
+    with pytest.raises(UsageError) as error:
+      server(own_id, x)
+    assert 'does not match its checksum' in str(error.value)
+  with sqlite3.connect(path) as db:  # As this pipeline wrote it before.
+    db.execute('ALTER TABLE local_models DROP COLUMN sha256')
+  with pytest.raises(UsageError) as error:
+    server(client, x)
+  assert str(error.value) == (f'{path} was written before local models had '
+                              'checksums; export the run again')
   # An id from argv bytes that are not UTF-8 (a UnicodeEncodeError
   # traceback from sqlite).
   with pytest.raises(UsageError) as error:

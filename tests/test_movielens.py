@@ -120,8 +120,12 @@ def test_bad_directories_and_files_are_usage_errors(tmp_path):
      'write or copy cut off mid-line); restore the file'),
     ('1\t3\t4', "is cut short: the file's last line has no newline (a write "
      'or copy cut off mid-line); restore the file'),
-], ids=['rating_above_5', 'rating_0', 'cut_in_a_field', 'cut_at_a_field'])
-def test_ratings_out_of_range_or_cut_short_are_refused_by_line(
+    # Counted twice in training, possibly in both splits.
+    ('1\t2\t5\t200\n', 'rates movie 2 by user 1 again (line 1): a user '
+     'rates a movie once in MovieLens; restore the file'),
+], ids=['rating_above_5', 'rating_0', 'cut_in_a_field', 'cut_at_a_field',
+        'second_rating_of_a_movie'])
+def test_damaged_ratings_are_refused_by_line(
     tmp_path, content, problem):
   path = tmp_path / 'u.data'
   path.write_text('1\t2\t3\t100\n' + content, encoding='latin-1')

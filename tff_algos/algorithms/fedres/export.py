@@ -11,13 +11,19 @@ Beside the global SavedModel that the driver writes to `export/`, FedRes adds
                                `local_weights` and returns the personalized
                                prediction f_w(x_g) + f_theta(x_l)
 
-`local_models.sqlite` has tables `local_models(client_id, local_weights)` and
-`metadata(key, value)`; a `local_weights` blob is the local model's variables
-flattened in order and concatenated, little-endian float32 (metadata
-`variable_shapes` gives the shapes, `initial_local_weights` the theta of a
-client without a row). `serve_personalized` puts the two together.
+`local_models.sqlite` has tables `local_models(client_id, local_weights,
+sha256)` and `metadata(key, value)`; a `local_weights` blob is the local
+model's variables flattened in order and concatenated, little-endian float32
+(metadata `variable_shapes` gives the shapes, `initial_local_weights` the
+theta of a client without a row). `sha256` is the hex SHA-256 of the client
+id (UTF-8), a NUL byte and the blob, and `initial_local_weights.sha256` that
+of the initial blob: sqlite checks its pages' structure, not the values in
+them, so a changed byte of a blob, or two clients' rows swapped, would
+otherwise be served as a client's model. `serve_personalized` puts the two
+together.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -37,6 +43,18 @@ LOCAL_MODELS_FILE = 'local_models.sqlite'
 PERSONALIZED_DIR = 'personalized'
 _INITIAL_KEY = 'initial_local_weights'
 _SHAPES_KEY = 'variable_shapes'
+_INITIAL_CHECKSUM_KEY = _INITIAL_KEY + '.sha256'
+
+
+def _checksum(owner: str, blob: bytes) -> str:
+  """What a row's `sha256` holds: its owner (a client id, or the metadata
+  key of the initial model) is part of it, so a row under another id fails."""
+  return hashlib.sha256(owner.encode('utf-8') + b'\0' + blob).hexdigest()
+
+
+def _row(owner: str, weights) -> tuple[str, bytes, str]:
+  blob = flatten_weights(weights).tobytes()
+  return owner, blob, _checksum(owner, blob)
 
 
 def flatten_weights(weights: Sequence[np.ndarray]) -> np.ndarray:
@@ -74,23 +92,24 @@ def _write_local_models(path: str, store, local_weights_of,
   try:
     with connection:
       connection.execute('CREATE TABLE local_models (client_id TEXT PRIMARY '
-                         'KEY, local_weights BLOB NOT NULL)')
+                         'KEY, local_weights BLOB NOT NULL, sha256 TEXT NOT '
+                         'NULL)')
       connection.execute('CREATE TABLE metadata (key TEXT PRIMARY KEY, '
                          'value BLOB NOT NULL)')
       connection.execute(
           'INSERT INTO metadata VALUES (?, ?)',
           (_SHAPES_KEY, json.dumps(
               [list(np.shape(w)) for w in initial_local_weights])))
-      connection.execute(
-          'INSERT INTO metadata VALUES (?, ?)',
-          (_INITIAL_KEY, flatten_weights(initial_local_weights).tobytes()))
+      _, initial, initial_checksum = _row(_INITIAL_KEY, initial_local_weights)
+      connection.executemany('INSERT INTO metadata VALUES (?, ?)', (
+          (_INITIAL_KEY, initial), (_INITIAL_CHECKSUM_KEY, initial_checksum)))
       connection.executemany(
-          'INSERT INTO local_models VALUES (?, ?)',
-          ((client_id, flatten_weights(local_weights_of(state)).tobytes())
+          'INSERT INTO local_models VALUES (?, ?, ?)',
+          (_row(client_id, local_weights_of(state))
            for client_id, state in store.items()))
       connection.executemany(
-          'INSERT INTO local_models VALUES (?, ?)',
-          ((client_id, flatten_weights(weights).tobytes())
+          'INSERT INTO local_models VALUES (?, ?, ?)',
+          (_row(client_id, weights)
            for client_id, weights in sorted(fitted_local_weights.items())))
   finally:
     connection.close()
@@ -148,13 +167,18 @@ def local_weights_for(export_dir: str, client_id: str,
   connection = sqlite3.connect(f'file:{path}?mode=ro', uri=True)
   try:
     row = connection.execute(
-        'SELECT local_weights FROM local_models WHERE client_id = ?',
+        'SELECT local_weights, sha256 FROM local_models WHERE client_id = ?',
         (client_id,)).fetchone()
     found = row is not None
     if not found:
-      row = connection.execute('SELECT value FROM metadata WHERE key = ?',
-                               (_INITIAL_KEY,)).fetchone()
+      row = connection.execute(
+          'SELECT a.value, b.value FROM metadata a, metadata b WHERE '
+          'a.key = ? AND b.key = ?',
+          (_INITIAL_KEY, _INITIAL_CHECKSUM_KEY)).fetchone()
   except sqlite3.DatabaseError as e:
+    if 'no such column: sha256' in str(e):
+      raise UsageError(f'{path} was written before local models had '
+                       'checksums; export the run again') from e
     raise UsageError(f'{path} is not a local-model store of a FedRes export '
                      f'({e})') from e
   finally:
@@ -164,7 +188,7 @@ def local_weights_for(export_dir: str, client_id: str,
                      'nor an initial one: it is damaged')
   which = (f'the local model of client {client_id!r}' if found else
            f'the initial local model (client {client_id!r} has none)')
-  blob = row[0]
+  blob, checksum = row
   if not isinstance(blob, bytes) or len(blob) % 4 or (
       size is not None and len(blob) != 4 * size):
     stored = (f'{len(blob)} bytes' if isinstance(blob, bytes) else
@@ -172,6 +196,10 @@ def local_weights_for(export_dir: str, client_id: str,
     wanted = f'{size} float32 values' if size is not None else 'float32 values'
     raise UsageError(f'{path}: {which} is {stored}, not {wanted}: the file '
                      'is damaged')
+  if checksum != _checksum(client_id if found else _INITIAL_KEY, blob):
+    raise UsageError(f'{path}: {which} does not match its checksum: the file '
+                     'is damaged (or its rows were changed); export the run '
+                     'again')
   weights = np.frombuffer(blob, '<f4').astype(np.float32)
   if not np.all(np.isfinite(weights)):
     raise UsageError(f'{path}: {which} holds non-finite values (NaN or '
