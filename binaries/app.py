@@ -189,7 +189,8 @@ _LABEL_OUT_OF_RANGE = re.compile(
 _NON_FINITE_DATA = re.compile(
     r'(EMNIST pixels that are not finite) : Tensor had (NaN|Inf) values')
 _DATA_OUT_OF_RANGE = re.compile(r'EMNIST pixels outside \[0, 1\]|'
-                                r'CelebA image pixel outside 0\.\.255')
+                                r'CelebA image pixel outside 0\.\.255|'
+                                r'CelebA smiling label other than 0 or 1')
 
 
 # How a client's state file whose values do not match its checksum is

@@ -51,6 +51,7 @@ _PIXELS_PER_IMAGE = int(np.prod(IMAGE_SHAPE))
 # The message of the check on read pixels (binaries.app turns it into one
 # line).
 PIXELS_OUT_OF_RANGE = 'CelebA image pixel outside 0..255'
+LABEL_NOT_BINARY = 'CelebA smiling label other than 0 or 1'
 
 
 def _synthetic_client_examples(client_id: tf.Tensor,
@@ -120,8 +121,11 @@ def _load_client_data(config: base.DataConfig):
                        '--use_synthetic_data')
   client_database.require_text_client_ids(database, _SPLITS)
   try:
-    train, test = tff.simulation.datasets.celeba.load_data(
-        split_by_clients=True, cache_dir=cache_dir)
+    # Fetches the file with --download; its datasets are made again below.
+    tff.simulation.datasets.celeba.load_data(split_by_clients=True,
+                                             cache_dir=cache_dir)
+    train, test = (tff.simulation.datasets.SqlClientData(
+        database, split).preprocess(_parse_examples) for split in _SPLITS)
   except Exception as e:  # pylint: disable=broad-except
     raise load_error('CelebA', database, e) from e
   client_database.require_readable_client_ids(database, (train, test),
@@ -129,6 +133,29 @@ def _load_client_data(config: base.DataConfig):
   client_database.require_examples(database, 'CelebA',
                                    dict(zip(_SPLITS, ('train', 'test'))))
   return train, test
+
+
+def _parse_examples(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """TFF's CelebA parsing (its loader's `_add_proto_parsing`: the same
+  elements) with the label checked: TFF casts every attribute to bool, so a
+  smiling value of 2 or -1 (a damaged file) trained silently as smiling."""
+  attributes = tff.simulation.datasets.celeba.ATTRIBUTE_NAMES
+  features = {'image': tf.io.FixedLenFeature(IMAGE_SHAPE, tf.int64),
+              **{name: tf.io.FixedLenFeature((), tf.int64)
+                 for name in attributes}}
+
+  def parse(serialized):
+    parsed = tf.io.parse_example(serialized, features)
+    label = parsed[LABEL]
+    binary = tf.debugging.Assert(
+        tf.reduce_all(tf.logical_or(tf.equal(label, 0), tf.equal(label, 1))),
+        [LABEL_NOT_BINARY])
+    with tf.control_dependencies([binary]):
+      return collections.OrderedDict(sorted(
+          [('image', tf.identity(parsed['image']))] +
+          [(name, tf.cast(parsed[name], tf.bool)) for name in attributes]))
+
+  return dataset.map(parse, num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def _to_model_input(image: tf.Tensor) -> tf.Tensor:

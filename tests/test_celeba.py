@@ -311,6 +311,46 @@ def test_a_pixel_outside_0_255_in_the_file_is_bad_data(tmp_path, mode):
         'are damaged or not the files of this task (--cache_dir, --data_dir)')
 
 
+def test_the_task_reads_the_examples_tffs_loader_reads(cache_dir):
+  directory, written = cache_dir
+  ours = celeba._load_client_data(  # pylint: disable=protected-access
+      _config(directory, 'federated'))
+  tffs = tff.simulation.datasets.celeba.load_data(cache_dir=directory)
+  for split, mine, theirs in zip(written, ours, tffs):
+    assert mine.element_type_structure == theirs.element_type_structure
+    for client_id in written[split]:
+      for a, b in zip(mine.create_tf_dataset_for_client(client_id),
+                      theirs.create_tf_dataset_for_client(client_id),
+                      strict=True):
+        tf.nest.map_structure(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.parametrize('smiling', [2, -1])
+def test_a_smiling_label_other_than_0_or_1_is_bad_data(tmp_path, smiling):
+  # TFF's loader casts it to bool: it trained as smiling, exit 0.
+  import sqlite3  # pylint: disable=g-import-not-at-top
+  from binaries import app  # pylint: disable=g-import-not-at-top
+  write_celeba_sqlite(tmp_path / 'celeba.sqlite')
+  with sqlite3.connect(tmp_path / 'celeba.sqlite') as connection:
+    rowid, blob = connection.execute(
+        'SELECT rowid, serialized_example_proto FROM examples WHERE '
+        "split_name = 'split_by_clients_train' AND client_id = '0'"
+    ).fetchone()
+    example = tf.train.Example.FromString(blob)
+    example.features.feature['smiling'].int64_list.value[0] = smiling
+    connection.execute(
+        'UPDATE examples SET serialized_example_proto = ? WHERE rowid = ?',
+        (example.SerializeToString(), rowid))
+  task = celeba.build_task(_config(str(tmp_path), 'federated'))
+  with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+    list(task.client_dataset_computation(id='0', seed=1))
+  assert app.bad_data_message(raised.value) == (
+      "the task's data files hold CelebA smiling label other than 0 or 1: "
+      'they are damaged or not the files of this task (--cache_dir, '
+      '--data_dir)')
+  assert list(task.client_dataset_computation(id='1', seed=1))
+
+
 def _example_with(**features) -> bytes:
   """A CelebA Example whose features are `features` (lists of ints or
   floats), the other attributes 0."""
