@@ -53,16 +53,25 @@ DEFAULT_MAX_EVAL_SEQUENCES = 10000
 def _read_word_counts(path: str, vocab_size: int) -> collections.OrderedDict:
   """The `word count` lines of TFF's file, most frequent first (as TFF)."""
   counts = collections.OrderedDict()
+  first_lines = {}
   try:
     with open(path) as f:
-      for line in f:
+      for line_number, line in enumerate(f, 1):
         if not line.endswith('\n'):
           # Cut off mid-line, its last word or count could be cut short and
           # still parse.
           raise ValueError(f'its last line {line!r} has no newline (a write '
                            'or copy cut off mid-line)')
         word, count = line.split()
-        counts[word] = int(count)
+        # A word counted twice or a negative count: not a count table (e.g.
+        # two files joined); the vocabulary would silently take more lines.
+        if word in counts:
+          raise ValueError(f'line {line_number} counts {word!r} again (line '
+                           f'{first_lines[word]})')
+        if int(count) < 0:
+          raise ValueError(f'line {line_number} gives {word!r} the negative '
+                           f'count {count}')
+        counts[word], first_lines[word] = int(count), line_number
         if len(counts) >= vocab_size:
           break
   except (OSError, ValueError) as e:

@@ -332,6 +332,13 @@ def _cache_with_word_counts(sources, directory, text: str) -> str:
      r"^the StackOverflow vocabulary .*stackoverflow.word_count holds 2 "
      r"words, fewer than --word_vocab_size=10000; pass a --word_vocab_size "
      r"of at most 2, or restore the file$"),
+    # Not a count table: the vocabulary took one more line, silently.
+    ('the 5000\ncode 12\nthe 7\n',
+     r"^cannot read the StackOverflow vocabulary .*stackoverflow.word_count: "
+     r"line 3 counts 'the' again \(line 1\)$"),
+    ('the 5000\ncode -12\n',
+     r"^cannot read the StackOverflow vocabulary .*stackoverflow.word_count: "
+     r"line 2 gives 'code' the negative count -12$"),
 ])
 def test_word_task_with_a_damaged_vocabulary_is_a_usage_error(
     sources, tmp_path, text, error):
