@@ -71,11 +71,22 @@ def not_a_directory(path: str) -> str:
       'does not exist')
 
 
+# TFF's SqlClientData on a file without its tables, naming them as a Python
+# frozenset.
+_MISSING_TABLES = re.compile(r'does not have the required frozenset\(\{(.*)\}\) '
+                             r'tables')
+
+
 def load_failure(error: Exception) -> str:
   """Why a dataset loader failed, for messages: its message, or what an
   error without one means (TFF's loaders take the first client id with
   `next`, so a file of the right schema with none of the task's splits,
   e.g. another task's file, raises a bare StopIteration)."""
+  missing = _MISSING_TABLES.search(str(error))
+  if missing:
+    tables = sorted(re.findall(r'\w+', missing.group(1)))
+    return (f'it has no {" or ".join(tables)} table (a file of TFF\'s '
+            'SqlClientData has tables examples and client_metadata)')
   if str(error):
     return str(error)
   if isinstance(error, StopIteration):

@@ -325,6 +325,23 @@ def test_the_task_reads_the_examples_tffs_loader_reads(cache_dir):
         tf.nest.map_structure(np.testing.assert_array_equal, a, b)
 
 
+@pytest.mark.parametrize('tables', [('client_metadata',),
+                                    ('examples', 'client_metadata')])
+def test_a_file_without_its_tables_names_them(tmp_path, tables):
+  # TFF's message showed them as a Python frozenset.
+  import sqlite3  # pylint: disable=g-import-not-at-top
+  write_celeba_sqlite(tmp_path / 'celeba.sqlite')
+  with sqlite3.connect(tmp_path / 'celeba.sqlite') as connection:
+    for table in tables:
+      connection.execute(f'DROP TABLE {table}')
+  with pytest.raises(UsageError) as raised:
+    celeba.build_task(_config(str(tmp_path), 'federated'))
+  assert str(raised.value) == (
+      f'cannot read CelebA from {tmp_path}/celeba.sqlite: it has no '
+      f'{" or ".join(sorted(tables))} table (a file of TFF\'s SqlClientData '
+      'has tables examples and client_metadata)')
+
+
 @pytest.mark.parametrize('smiling', [2, -1])
 def test_a_smiling_label_other_than_0_or_1_is_bad_data(tmp_path, smiling):
   # TFF's loader casts it to bool: it trained as smiling, exit 0.
