@@ -110,6 +110,11 @@ def find_ratings(movielens_dir: str) -> str:
     path = os.path.join(movielens_dir, name)
     if os.path.isfile(path):
       return path
+    if os.path.lexists(path):
+      # Passed over, the other format's file (if any) was read instead.
+      kind = ('a directory' if os.path.isdir(path) else
+              'a broken link' if not os.path.exists(path) else 'not a file')
+      raise UsageError(f'{path} is {kind}, not a ratings file; restore it')
   raise UsageError(f'--movielens_dir={movielens_dir} has neither '
                    f'{ML_1M_RATINGS} (MovieLens 1M) nor {ML_100K_RATINGS} '
                    '(MovieLens 100K)')

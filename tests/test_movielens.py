@@ -134,6 +134,21 @@ def test_damaged_ratings_are_refused_by_line(
   assert str(raised.value) == f'{path}:2 {problem}'
 
 
+@pytest.mark.parametrize('kind', ['a directory', 'a broken link'])
+def test_a_ratings_name_that_is_no_file_is_not_passed_over(tmp_path, kind):
+  # The other format's file was read instead, without a word.
+  directory = write_u_data(tmp_path)
+  path = os.path.join(directory, movielens_files.ML_1M_RATINGS)
+  if kind == 'a directory':
+    os.mkdir(path)
+  else:
+    os.symlink(os.path.join(directory, 'gone'), path)
+  with pytest.raises(UsageError) as raised:
+    movielens_files.find_ratings(directory)
+  assert str(raised.value) == (f'{path} is {kind}, not a ratings file; '
+                               'restore it')
+
+
 def test_users_of_one_rating_each_are_a_usage_error(tmp_path):
   # No example to train on or evaluate: the run trained on nothing (an
   # update of 0/0) and logged no evaluation, with status 0.
