@@ -4,10 +4,10 @@ ML-1M `ratings.dat`: `UserID::MovieID::Rating::Timestamp` per line.
 ML-100K `u.data`: `user<TAB>item<TAB>rating<TAB>timestamp` per line.
 Both give integer user and movie ids (from 1), ratings of whole stars 1..5
 and Unix timestamps, at most one rating of a movie per user, and end every
-line with a newline: a last line without
-one is a file cut off mid-line (its last field may be cut short and still
-parse), refused like a line that does not parse. Nothing is downloaded: the
-files must already be in the directory given by `--movielens_dir`.
+line with a newline: a last line without one is a file cut off mid-line (its
+last field may be cut short and still parse), refused like a line that does
+not parse. Nothing is downloaded: the files must already be in the
+directory given by `--movielens_dir`.
 """
 
 import os
@@ -86,13 +86,13 @@ def read_ratings(path: str) -> dict[str, np.ndarray]:
                        f'embedding tables, so they must be at most {MAX_ID}')
   # A second rating of a movie by its user (e.g. a file joined with a copy of
   # itself) would count twice in training and could land in both splits.
-  pairs = table[:, 0] * (MAX_ID + 1) + table[:, 1]
-  _, first = np.unique(pairs, return_index=True)
+  pairs = table[:, :2]
+  _, first = np.unique(pairs, axis=0, return_index=True)
   if len(first) < len(pairs):
     repeat = np.ones(len(pairs), bool)
     repeat[first] = False
     later = int(np.argmax(repeat))
-    earlier = int(np.argmax(pairs == pairs[later]))
+    earlier = int(np.argmax(np.all(pairs == pairs[later], axis=1)))
     raise UsageError(
         f'{path}:{line_numbers[later]} rates movie {table[later, 1]} by user '
         f'{table[later, 0]} again (line {line_numbers[earlier]}): a user rates '
