@@ -252,6 +252,15 @@ _MAX_INT32_SIZE = 2**31 - 1
 # Settings become float32 constants of the computations; TFF refuses a
 # larger finite value with a traceback (--clip_norm=1e300).
 _MAX_FLOAT32 = 3.4028234663852886e38
+# The smallest positive float32 (subnormal); a value below half of it is 0
+# in the computations: --clip_norm=1e-300 clipped every update to zero, and
+# a learning rate would train nothing, with status 0. Only flags of float32
+# math: --dp_target_delta is for the privacy accounting, in float64.
+_MIN_FLOAT32 = 1.401298464324817e-45
+_FLOAT32_FLAGS = frozenset(
+    name for name, field in _SETTINGS_FIELDS.items()
+    if float in (field.type, *typing.get_args(field.type))) | {
+        'clip_norm', 'dp_noise_multiplier', 'spreadout_weight'}
 
 for _flag in flags.FLAGS.get_flags_for_module(__name__):
   if _flag.flag_type() == 'float':
@@ -269,6 +278,11 @@ for _flag in flags.FLAGS.get_flags_for_module(__name__):
         _flag.name, lambda value: value is None or not math.isfinite(value)
         or abs(value) <= _MAX_FLOAT32,
         message=f'must be at most {_MAX_FLOAT32:.8g} in magnitude (a float32)')
+    if _flag.name in _FLOAT32_FLAGS:
+      flags.register_validator(
+          _flag.name, lambda value: not value or abs(value) >= _MIN_FLOAT32,
+          message=f'must be 0 or at least {_MIN_FLOAT32:.2g} in magnitude '
+          '(a float32: a smaller value is 0 in the computations)')
   elif _flag.flag_type() == 'int':
     # TF and NumPy take 64-bit integers (absl any Python int).
     flags.register_validator(

@@ -58,7 +58,12 @@ def read_curve(run_dir: str, metric: str) -> tuple[list[int], list[float]]:
       if row.get(metric) in (None, ''):
         continue
       try:
-        points.append((int(row[ROUND_COLUMN]), float(row[metric])))
+        round_num = int(row[ROUND_COLUMN])
+        # matplotlib takes rounds as floats: a larger one was an
+        # OverflowError traceback.
+        if not 0 <= round_num <= 2**53:
+          raise ValueError(f'round {round_num} is out of range')
+        points.append((round_num, float(row[metric])))
       except (ValueError, TypeError) as e:
         raise UsageError(
             f'{path} line {reader.line_num}: {ROUND_COLUMN}='
@@ -106,6 +111,8 @@ def plot(run_dirs: list[str], metric: str, output: str,
   from matplotlib import ticker  # pylint: disable=g-import-not-at-top
 
   check_math_text(title, '--title' if FLAGS.title else 'the title (--metric)')
+  if FLAGS.title:  # Else checked as the title.
+    check_math_text(metric, '--metric (the y axis\'s label)')
   for label in labels:
     check_math_text(label, 'the label' if FLAGS.labels else
                     'the label (a run directory\'s name; --labels)')

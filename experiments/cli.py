@@ -43,6 +43,14 @@ def finite_number(text: str) -> float:
         f'{text!r} is not a finite number') from None
 
 
+def exact(value: float) -> str:
+  """`value` for a flag or a run name: as short as `:g` writes it when that
+  is the same number, else Python's exact repr (`:g` keeps 6 digits, so
+  0.3000001 trained at 0.3, and as the same run as 0.3)."""
+  short = f'{value:g}'
+  return short if float(short) == value else repr(float(value))
+
+
 def comma_list(kind: type) -> Callable[[str], list]:
   """An argparse `type` of comma-separated ints or (finite) floats (`kind`
   int, float, or positive_int); a bad item was a ValueError traceback after

@@ -77,7 +77,8 @@ def algorithm_flags(method: str, args) -> list[str]:
   if method == 'fedavg':
     return ['--algorithm=fedpvr', '--pvr_last_layers=0', '--drift_diversity']
   if method == 'fedprox':
-    return ['--algorithm=fedprox', f'--proximal_strength={args.fedprox_mu:g}']
+    return ['--algorithm=fedprox',
+            f'--proximal_strength={cli.exact(args.fedprox_mu)}']
   if method == 'scaffold':
     return ['--algorithm=scaffold', '--drift_diversity']
   start = pvr_start(method)
@@ -87,16 +88,16 @@ def algorithm_flags(method: str, args) -> list[str]:
 
 
 def run_name(method: str, alpha: float, seed: int) -> str:
-  return f'{method}_a{alpha:g}_s{seed}'
+  return f'{method}_a{cli.exact(alpha)}_s{seed}'
 
 
 def train_argv(method: str, alpha: float, seed: int, args) -> list[str]:
   return [
-      '--task=digits', '--model=cnn', f'--dirichlet_alpha={alpha:g}',
+      '--task=digits', '--model=cnn', f'--dirichlet_alpha={cli.exact(alpha)}',
       '--num_clients=10', '--clients_per_round=10',
       f'--client_epochs={args.client_epochs}',
       f'--client_batch_size={args.client_batch_size}',
-      f'--client_learning_rate={args.learning_rate:g}',
+      f'--client_learning_rate={cli.exact(args.learning_rate)}',
       '--client_weighting=uniform', '--server_learning_rate=1',
       '--runtime=native', f'--total_rounds={args.total_rounds}',
       '--rounds_per_eval=1',

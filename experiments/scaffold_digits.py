@@ -41,19 +41,21 @@ ALGORITHMS = ('fedavg', 'scaffold')
 
 
 def run_name(algorithm: str, steps: int, learning_rate: float) -> str:
-  return f'{algorithm}_K{steps}_lr{learning_rate:g}'
+  return f'{algorithm}_K{steps}_lr{cli.exact(learning_rate)}'
 
 
 def train(algorithm, steps, learning_rate, args):
   command = [
       sys.executable, '-m', 'binaries.train', '--task=digits',
       f'--algorithm={algorithm}', f'--model={args.model}',
-      f'--similarity={args.similarity:g}', f'--num_clients={args.num_clients}',
-      f'--l2_regularization={args.l2_regularization:g}',
+      f'--similarity={cli.exact(args.similarity)}',
+      f'--num_clients={args.num_clients}',
+      f'--l2_regularization={cli.exact(args.l2_regularization)}',
       f'--runtime={args.runtime}',
       f'--clients_per_round={args.clients_per_round}',
       f'--client_batch_size={args.client_batch_size}',
-      f'--client_steps={steps}', f'--client_learning_rate={learning_rate:g}',
+      f'--client_steps={steps}',
+      f'--client_learning_rate={cli.exact(learning_rate)}',
       '--client_weighting=uniform', '--server_learning_rate=1',
       f'--total_rounds={args.total_rounds}', '--rounds_per_eval=1',
       f'--rounds_per_checkpoint={args.total_rounds}', f'--seed={args.seed}',

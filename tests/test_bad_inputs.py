@@ -292,6 +292,17 @@ CASES = [
          train_new('--aggregator=robust', '--clip_norm=1e300'),
          lambda p: 'flag --clip_norm=1e+300: must be at most 3.4028235e+38 in '
          'magnitude (a float32)'),
+    # 0 in float32: every update clipped to zero, status 0.
+    Case('clip_norm_below_float32', 'train',
+         train_new('--aggregator=robust', '--clip_norm=1e-300'),
+         lambda p: 'flag --clip_norm=1e-300: must be 0 or at least 1.4e-45 in '
+         'magnitude (a float32: a smaller value is 0 in the computations)'),
+    # It trained nothing, status 0.
+    Case('learning_rate_below_float32', 'train',
+         train_new('--client_learning_rate=1e-50'),
+         lambda p: 'flag --client_learning_rate=1e-50: must be 0 or at least '
+         '1.4e-45 in magnitude (a float32: a smaller value is 0 in the '
+         'computations)'),
     # TFF's AfterMergeStructureError traceback in the first round.
     Case('secure_sum_in_sub_rounds', 'train',
          train_new('--aggregator=secure', '--num_subrounds=2'),

@@ -3,6 +3,7 @@
 each command here fails before it trains, most before they import
 TensorFlow (a fraction of a second)."""
 
+import argparse
 import os
 import signal
 import subprocess
@@ -344,3 +345,24 @@ def test_flag_names_are_taken_as_written(tmp_path, args, message):
   result = run('experiments.scaffold_digits', *args)
   assert (result.returncode, result.stderr) == (2, f'error: {message}\n')
   assert not (tmp_path / 'runs').exists()
+
+
+def test_values_reach_the_binaries_and_run_names_exactly():
+  # pylint: disable=g-import-not-at-top
+  from experiments import cli
+  from experiments import fedpvr_digits
+  from experiments import scaffold_digits
+  # pylint: enable=g-import-not-at-top
+  # `:g` trained 0.3000001 at 0.3, as the same run as 0.3.
+  assert [cli.exact(v) for v in (0.3, 1.0, 1e-5, 0.3000001, 0.1234567)] == [
+      '0.3', '1', '1e-05', '0.3000001', '0.1234567']
+  assert (scaffold_digits.run_name('fedavg', 2, 0.3000001) !=
+          scaffold_digits.run_name('fedavg', 2, 0.3))
+  assert fedpvr_digits.run_name('fedavg', 0.1234567, 0) == (
+      'fedavg_a0.1234567_s0')
+  argv = fedpvr_digits.train_argv('fedavg', 0.1234567, 0, argparse.Namespace(
+      client_epochs=1, client_batch_size=4, learning_rate=0.0123456789,
+      fedprox_mu=0.0, pvr_client_optimizer='sgd', total_rounds=1,
+      root_output_dir='runs'))
+  assert '--dirichlet_alpha=0.1234567' in argv
+  assert '--client_learning_rate=0.0123456789' in argv

@@ -129,6 +129,9 @@ def test_plot_rejects_an_unknown_metric(tmp_path):
     # Was a KeyError traceback.
     (b'round,eval/auc\n1,0.5\n', 'is not a metrics file of binaries.train '
      '(it has no round_num column)'),
+    # Was an OverflowError traceback in matplotlib.
+    (b'round_num,eval/auc\n1%s,0.5\n' % (b'0' * 309), "line 2: round_num='1%s'"
+     ", eval/auc='0.5' are not a round and a number" % ('0' * 309)),
     # Was an IndexError traceback in matplotlib's tick locator.
     (b'round_num,eval/auc\n1,1e308\n2,-1e308\n', 'holds --metric=eval/auc '
      'values from -1e+308 to 1e+308, a span no plot axis holds; '
@@ -152,6 +155,21 @@ def test_plot_refuses_math_text_matplotlib_cannot_parse(tmp_path):
       2, "error: the label '$\\foo$' is not text matplotlib can draw: "
       'between two $ it is math (ParseFatalException: Unknown symbol: \\foo, '
       "found '\\'  (at char 0), (line:1, col:1)); write a $ as \\$\n")
+  assert not output.exists()
+
+
+def test_plot_refuses_a_metric_name_matplotlib_cannot_draw(tmp_path):
+  # With --title, the metric is only the y axis's label: a traceback.
+  (tmp_path / 'a').mkdir()
+  (tmp_path / 'a' / 'metrics.csv').write_text('round_num,$\\foo$\n1,0.5\n')
+  output = tmp_path / 'x.png'
+  result = _run('binaries.plot', str(tmp_path / 'a'), '--metric=$\\foo$',
+                f'--output={output}', '--title=ok')
+  assert (result.returncode, result.stderr) == (
+      2, "error: --metric (the y axis's label) '$\\foo$' is not text "
+      'matplotlib can draw: between two $ it is math (ParseFatalException: '
+      "Unknown symbol: \\foo, found '\\'  (at char 0), (line:1, col:1)); "
+      'write a $ as \\$\n')
   assert not output.exists()
 
 
