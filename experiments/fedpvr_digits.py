@@ -39,6 +39,7 @@ they are). Run it from the repository root (`python -m`).
 
 import argparse
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -365,6 +366,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.error(f'argument --total_rounds: {args.total_rounds} is not >= 1')
   # Checked before any run trains (the binary refused them only when their
   # run came, after the runs before it had trained).
+  for alpha in args.alphas:
+    if not alpha > 0:  # The Dirichlet's concentration.
+      parser.error(f'argument --alphas: {alpha:g} is not > 0')
+  for value in args.seeds:
+    try:
+      cli.seed(str(value))
+    except argparse.ArgumentTypeError as e:
+      parser.error(f'argument --seeds: {e}')
+  if not args.learning_rate > 0 or not math.isfinite(args.learning_rate):
+    parser.error(f'argument --learning_rate: {args.learning_rate} is not a '
+                 'finite number > 0')
   for start in args.pvr_starts:
     if not 0 <= start <= NUM_VARIABLES:
       parser.error(f'argument --pvr_starts: {start} is not a variable index '

@@ -95,6 +95,11 @@ def main():
   parser.add_argument('--seed', type=cli.seed, default=0)
   parser.add_argument('--skip_driver_check', action='store_true')
   args = parser.parse_args()
+  for heterogeneity in args.heterogeneities:
+    # Refused by the task only when its turn came, after the others ran.
+    if not 0 <= heterogeneity <= 1:
+      parser.error(f'argument --heterogeneities: {heterogeneity:g} is not in '
+                   '[0, 1]')
   tff_runtime.configure_execution()
   from experiments import fedres_common  # pylint: disable=g-import-not-at-top
   fedres_common.disable_graph_optimizer()

@@ -90,6 +90,17 @@ def run(module, *args):
      'argument --pvr_starts: 9 is not a variable index of the CNN (0..8)'),
     ('experiments.fedpvr_digits', ['--fedprox_mu=-1'],
      'argument --fedprox_mu: -1.0 is not a number >= 0'),
+    # Each was refused under the binary's flag name (--dirichlet_alpha,
+    # --seed, --client_learning_rate, --heterogeneity), a list's only when
+    # its run came.
+    ('experiments.fedpvr_digits', ['--alphas=0.1,-1'],
+     'argument --alphas: -1 is not > 0'),
+    ('experiments.fedpvr_digits', ['--seeds=0,-1'],
+     "argument --seeds: '-1' is not a seed: an integer from 0 to 2**32 - 1"),
+    ('experiments.fedpvr_digits', ['--learning_rate=nan'],
+     'argument --learning_rate: nan is not a finite number > 0'),
+    ('experiments.fedres_logistic', ['--heterogeneities=0,2'],
+     'argument --heterogeneities: 2 is not in [0, 1]'),
     # Imports TensorFlow for the optimizers' names (a few seconds).
     ('experiments.fedpvr_digits', ['--pvr_client_optimizer=bogus'],
      "argument --pvr_client_optimizer: 'bogus' is not one of sgd, sgdm, "
