@@ -18,6 +18,7 @@ at the next start of any binary).
 """
 
 import argparse
+import errno
 import atexit
 import logging as logging_lib
 import os
@@ -272,21 +273,22 @@ def interrupt_once(signum, frame):
 
 
 def terminate_once(signum, frame):
-  """SIGTERM: the first one stops the binary as a Ctrl-C does
+  """SIGTERM (or SIGHUP): the first one stops the binary as a Ctrl-C does
   (`interrupts.terminate`: its newest finished round checkpointed, one line,
-  status 143), then ignored, as `interrupt_once` ignores a second SIGINT:
-  GNU `timeout` sends it to the process and then to its process group, and
-  a cluster's scheduler sends SIGKILL when its grace period ends."""
-  del signum, frame
+  status 143, or 129), then ignored, as `interrupt_once` ignores a second
+  SIGINT: GNU `timeout` sends it to the process and then to its process
+  group, and a cluster's scheduler sends SIGKILL when its grace period
+  ends."""
+  del frame
   if not interrupts.requested():
-    interrupts.terminate()
+    interrupts.terminate(signum)
 
 
 def _ignore_stop_signals() -> None:
-  """Ctrl-C and SIGTERM from now on change nothing (the error line is said,
-  the workers are being shut down)."""
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  """Ctrl-C, SIGTERM and SIGHUP from now on change nothing (the error line
+  is said, the workers are being shut down)."""
+  for signum in (signal.SIGINT, *interrupts.STOP_SIGNALS):
+    signal.signal(signum, signal.SIG_IGN)
 
 
 def unraisable_unless_interrupt(unraisable) -> None:
@@ -312,16 +314,24 @@ def exit_without_finalizing(status: int) -> None:
 
 
 def _flush_what_is_still_open() -> None:
-  """Flushes stdout and stderr, unless closed (`>&-`: None) or their reader
-  left (a broken pipe): there is nobody to tell then. Other faults (a full
+  """Flushes stdout and stderr, unless closed (`>&-`: None) or nobody reads
+  them (`_nobody_reads`): there is nobody to tell then. Other faults (a full
   disk) still raise."""
   for stream in (sys.stdout, sys.stderr):
     if stream is None:
       continue
     try:
       stream.flush()
-    except BrokenPipeError:
-      pass
+    except OSError as e:
+      if not _nobody_reads(e):
+        raise
+
+
+def _nobody_reads(error: OSError) -> bool:
+  """Whether `error` of a write to stdout or stderr says nobody reads it:
+  its reader left (a broken pipe) or its terminal closed (EIO, after the
+  SIGHUP that stopped the run)."""
+  return isinstance(error, BrokenPipeError) or error.errno == errno.EIO
 
 
 _HELP_FLAGS = frozenset(
@@ -334,7 +344,8 @@ def run(main, allow_positional_args: bool = False) -> None:
   private_temp.use_private_temp_dir()
   remove_temp_dir_on_fatal_signals()
   signal.signal(signal.SIGINT, interrupt_once)
-  signal.signal(signal.SIGTERM, terminate_once)
+  for signum in interrupts.STOP_SIGNALS:
+    signal.signal(signum, terminate_once)
   sys.unraisablehook = unraisable_unless_interrupt
 
   def fail(message: str, status: int):
@@ -345,8 +356,9 @@ def run(main, allow_positional_args: bool = False) -> None:
       message = advice_for_experiments(message)
     try:
       print(f'error: {message}', file=sys.stderr)
-    except BrokenPipeError:  # stderr's reader left too.
-      pass
+    except OSError as e:
+      if not _nobody_reads(e):
+        raise
     tff_runtime.shutdown_workers()
     exit_without_finalizing(status)
 

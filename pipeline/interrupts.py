@@ -10,7 +10,9 @@ leaves one checkpoint too many. The binaries' SIGINT handler calls
 `interrupt()`, which raises at once outside `deferred()` and at its end
 inside it. Their first SIGTERM does the same (`terminate()`): a cluster's
 scheduler sends it before it kills a job, and the run then stops as for a
-Ctrl-C, its newest finished round checkpointed, with SIGTERM's status.
+Ctrl-C, its newest finished round checkpointed, with SIGTERM's status. So
+does a SIGHUP (the terminal of a run not started with nohup closed), with
+its status.
 """
 
 import asyncio
@@ -37,6 +39,11 @@ EXIT_INTERRUPTED = 130
 # reports for the signal.
 TERMINATED = 'terminated (SIGTERM)'
 EXIT_TERMINATED = 143
+HUNG_UP = 'hung up (SIGHUP: its terminal closed)'
+EXIT_HUNG_UP = 129
+# The signals that stop a binary as a Ctrl-C does: (cause, status).
+STOP_SIGNALS = {signal.SIGTERM: (TERMINATED, EXIT_TERMINATED),
+                signal.SIGHUP: (HUNG_UP, EXIT_HUNG_UP)}
 # Its output closed (e.g. `train ... | head`): as a shell reports a SIGPIPE.
 OUTPUT_CLOSED = 'its output was closed (broken pipe)'
 EXIT_OUTPUT_CLOSED = 141
@@ -61,11 +68,12 @@ def interrupt() -> None:
   raise KeyboardInterrupt
 
 
-def terminate() -> None:
-  """`interrupt()` for a SIGTERM: the same stop, said and exited as one."""
+def terminate(signum: int = signal.SIGTERM) -> None:
+  """`interrupt()` for a SIGTERM (or another of `STOP_SIGNALS`): the same
+  stop, said and exited as one."""
   global _cause
   if not _requested:
-    _cause = (TERMINATED, EXIT_TERMINATED)
+    _cause = STOP_SIGNALS[signum]
   interrupt()
 
 
@@ -174,10 +182,9 @@ def exit_at_once_while_starting() -> None:
 
   def exit_now(signum, frame):
     del frame
-    cause, status = ((TERMINATED, EXIT_TERMINATED) if signum == signal.SIGTERM
-                     else (_cause[0], EXIT_INTERRUPTED))
+    cause, status = STOP_SIGNALS.get(signum, (_cause[0], EXIT_INTERRUPTED))
     os.write(stderr, f'error: {message(cause)}\n'.encode())
     os._exit(status)  # pylint: disable=protected-access
 
-  signal.signal(signal.SIGINT, exit_now)
-  signal.signal(signal.SIGTERM, exit_now)
+  for signum in (signal.SIGINT, *STOP_SIGNALS):
+    signal.signal(signum, exit_now)

@@ -122,17 +122,6 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
         cwd=lib.REPO, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
-  # SIGHUP once autograph has written files: the private temp directory
-  # holding them goes with the process.
-  process = start('hung_up')
-  try:
-    wait_for_autograph_file(temp, process)
-    process.send_signal(signal.SIGHUP)
-    assert process.wait(timeout=120) == -signal.SIGHUP
-  finally:
-    process.kill()
-  assert not os.listdir(temp)
-
   def stop_mid_run(name, signum, wait):
     """Its status and its stderr's lines."""
     process = start(name, stderr=subprocess.PIPE)
@@ -155,6 +144,15 @@ def test_killed_runs_leave_no_worker_no_temp_files_and_resume(tmp_path):
     newest = int(f.read().strip().splitlines()[-1].split(',')[0])
   assert max(int(name[len('round_'):]) for name in os.listdir(
       root / 'terminated' / 'checkpoints')) == newest
+
+  # SIGHUP (its terminal closed) once autograph has written files: as a
+  # SIGTERM, and the private temp directory holding them goes with the
+  # process. It ended the process at once (status -1), losing the rounds
+  # since the last checkpoint.
+  assert stop_mid_run('hung_up', signal.SIGHUP, lambda process: (
+      wait_for_autograph_file(temp, process))) == (129, [
+          'error: hung up (SIGHUP: its terminal closed); re-run the same '
+          'command to go on (a training run from its last checkpoint)'])
 
   # Ctrl-C (SIGINT) mid-run: one line, no traceback, status 130.
   assert stop_mid_run('interrupted', signal.SIGINT, lambda process: (

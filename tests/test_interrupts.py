@@ -165,11 +165,16 @@ def test_a_ctrl_c_after_the_error_line_adds_nothing(tmp_path):
   assert result.stderr.splitlines() == ['error: bad input'], result.stderr
 
 
-def test_a_sigterm_stops_a_binary_as_a_ctrl_c_does(tmp_path):
-  # It ended the process at once (status -15, no line): a scheduler's
-  # SIGTERM before its SIGKILL lost every round since the last checkpoint.
-  # A second one (GNU timeout signals the process, then its group) is
-  # ignored, as a second Ctrl-C is; a Ctrl-C after it changes nothing.
+@pytest.mark.parametrize('signal_name, status, cause', [
+    ('SIGTERM', 143, 'terminated (SIGTERM)'),
+    ('SIGHUP', 129, 'hung up (SIGHUP: its terminal closed)')])
+def test_a_sigterm_stops_a_binary_as_a_ctrl_c_does(tmp_path, signal_name,
+                                                   status, cause):
+  # It ended the process at once (status -15 or -1, no line): a scheduler's
+  # SIGTERM before its SIGKILL, or a closed terminal, lost every round since
+  # the last checkpoint. A second one (GNU timeout signals the process,
+  # then its group) is ignored, as a second Ctrl-C is; a Ctrl-C after it
+  # changes nothing.
   result = _run_script(
       tmp_path,
       'import os, signal, time\n'
@@ -178,19 +183,51 @@ def test_a_sigterm_stops_a_binary_as_a_ctrl_c_does(tmp_path):
       'flags.DEFINE_integer("x", 0, "x")\n'
       'def main(argv):\n'
       '  try:\n'
-      '    os.kill(os.getpid(), signal.SIGTERM)\n'
+      f'    os.kill(os.getpid(), signal.{signal_name})\n'
       '    time.sleep(60)\n'
       '  finally:\n'
-      '    os.kill(os.getpid(), signal.SIGTERM)\n'
+      f'    os.kill(os.getpid(), signal.{signal_name})\n'
       '    os.kill(os.getpid(), signal.SIGINT)\n'
       '    print("cleaned up", flush=True)\n'
       'app.run(main)\n')
-  assert result.returncode == interrupts.EXIT_TERMINATED == 143, (
-      result.stderr[-3000:])
+  assert result.returncode == status, result.stderr[-3000:]
   assert result.stdout == 'cleaned up\n'
   assert result.stderr.splitlines() == [
-      'error: terminated (SIGTERM); re-run the same command to go on (a '
-      'training run from its last checkpoint)'], result.stderr[-3000:]
+      f'error: {cause}; re-run the same command to go on (a training run '
+      'from its last checkpoint)'], result.stderr[-3000:]
+
+
+def test_a_closed_terminal_takes_no_traceback_after_its_sighup(tmp_path):
+  # After the SIGHUP of a closed terminal, writes to it fail with EIO: the
+  # error line's write raised, and the run ended with status 1.
+  import pty  # pylint: disable=g-import-not-at-top
+  script = tmp_path / 'script.py'
+  script.write_text(
+      'import os, signal, time\n'
+      'from absl import flags\n'
+      'from binaries import app\n'
+      'flags.DEFINE_integer("x", 0, "x")\n'
+      'def main(argv):\n'
+      '  print("ready", flush=True)\n'
+      '  time.sleep(60)\n'
+      'app.run(main)\n')
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  pid, terminal = pty.fork()
+  if pid == 0:  # The child: a session whose terminal is the pty.
+    try:
+      os.chdir(repo)
+      os.execve(sys.executable, [sys.executable, str(script), '--x=1'],
+                dict(os.environ, PYTHONPATH=repo))
+    finally:
+      os._exit(127)  # pylint: disable=protected-access
+  try:
+    seen = b''
+    while b'ready' not in seen:
+      seen += os.read(terminal, 1024)
+  finally:
+    os.close(terminal)  # The hang-up: the kernel sends SIGHUP.
+  _, wait_status = os.waitpid(pid, 0)
+  assert os.waitstatus_to_exitcode(wait_status) == 129
 
 
 def _run_script(tmp_path, text):
