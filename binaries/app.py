@@ -249,6 +249,8 @@ def remove_temp_dir_on_fatal_signals() -> None:
   # skips atexit hooks; the private temp directory goes first.
   for signum in (signal.SIGTERM, signal.SIGHUP):
     previous = signal.getsignal(signum)
+    if previous == signal.SIG_IGN:  # SIGHUP under `nohup`: it stays so.
+      continue
 
     def handler(number, frame, previous=previous):
       private_temp.remove_private_temp_dir()

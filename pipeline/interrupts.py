@@ -41,9 +41,13 @@ TERMINATED = 'terminated (SIGTERM)'
 EXIT_TERMINATED = 143
 HUNG_UP = 'hung up (SIGHUP: its terminal closed)'
 EXIT_HUNG_UP = 129
+# Started by `nohup` (SIGHUP ignored, as this module's import finds it, before
+# any handler of this project): a SIGHUP must go on changing nothing.
+SIGHUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 # The signals that stop a binary as a Ctrl-C does: (cause, status).
 STOP_SIGNALS = {signal.SIGTERM: (TERMINATED, EXIT_TERMINATED),
-                signal.SIGHUP: (HUNG_UP, EXIT_HUNG_UP)}
+                **({} if SIGHUP_IGNORED else
+                   {signal.SIGHUP: (HUNG_UP, EXIT_HUNG_UP)})}
 # Its output closed (e.g. `train ... | head`): as a shell reports a SIGPIPE.
 OUTPUT_CLOSED = 'its output was closed (broken pipe)'
 EXIT_OUTPUT_CLOSED = 141

@@ -201,7 +201,9 @@ def install_shutdown_hooks() -> None:
     return
   atexit.register(shutdown_workers)
   for signum in (signal.SIGTERM, signal.SIGHUP):
-    signal.signal(signum, _exit_on_signal)
+    # One ignored stays so (SIGHUP under `nohup`): no exit to hook.
+    if signal.getsignal(signum) != signal.SIG_IGN:
+      signal.signal(signum, _exit_on_signal)
   _hooks_installed = True
 
 

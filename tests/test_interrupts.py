@@ -230,12 +230,35 @@ def test_a_closed_terminal_takes_no_traceback_after_its_sighup(tmp_path):
   assert os.waitstatus_to_exitcode(wait_status) == 129
 
 
-def _run_script(tmp_path, text):
+def test_a_sighup_under_nohup_changes_nothing(tmp_path):
+  # nohup starts a program with SIGHUP ignored; the handlers of this
+  # project's binaries must keep it so (TFF's worker shutdown hook made a
+  # SIGHUP end such a run at once).
+  result = _run_script(
+      tmp_path,
+      'import os, signal, time\n'
+      'from absl import flags\n'
+      'from binaries import app\n'
+      'from pipeline import tff_runtime\n'
+      'flags.DEFINE_integer("x", 0, "x")\n'
+      'def main(argv):\n'
+      '  tff_runtime.install_shutdown_hooks()\n'
+      '  os.kill(os.getpid(), signal.SIGHUP)\n'
+      '  time.sleep(0.5)\n'
+      '  print("still running", flush=True)\n'
+      'app.run(main)\n',
+      preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+  assert (result.returncode, result.stdout, result.stderr) == (
+      0, 'still running\n', '')
+
+
+def _run_script(tmp_path, text, **kwargs):
   """`text` (which calls binaries.app.run) run with --x=1 as a process of
-  its own."""
+  its own (`kwargs`: subprocess.run's)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   (tmp_path / 'script.py').write_text(text)
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return subprocess.run([sys.executable, str(tmp_path / 'script.py'),
                          '--x=1'], cwd=repo, capture_output=True, text=True,
-                        timeout=300, env=dict(os.environ, PYTHONPATH=repo))
+                        timeout=300, env=dict(os.environ, PYTHONPATH=repo),
+                        **kwargs)
