@@ -30,15 +30,17 @@ def _check_data_size(path: str) -> None:
   """ValueError if the .npy file at `path` holds fewer bytes of data than
   its header's shape needs: NumPy allocates that shape before it reads, so
   a damaged header claiming terabytes was a MemoryError traceback."""
-  readers = {(1, 0): np.lib.format.read_array_header_1_0,
-             (2, 0): np.lib.format.read_array_header_2_0}
   with open(path, 'rb') as f:
+    if f.read(2) == b'PK':  # np.load reads it as an .npz archive.
+      raise ValueError('it is an .npz archive of arrays, not one .npy array')
+    f.seek(0)
     try:
-      reader = readers.get(np.lib.format.read_magic(f))
-      if reader is None:  # Other versions: np.load checks them itself.
-        return
-      shape, _, dtype = reader(f)
-    except (ValueError, EOFError):  # Not a .npy file: np.load says how.
+      # Every version NumPy loads (the public readers stop at 2.0; a 3.0
+      # header claiming terabytes was a MemoryError traceback). Other
+      # versions and damaged headers: np.load says what is wrong.
+      shape, _, dtype = np.lib.format._read_array_header(  # pylint: disable=protected-access
+          f, np.lib.format.read_magic(f))
+    except (ValueError, EOFError):
       return
     available = os.fstat(f.fileno()).st_size - f.tell()
   needed = math.prod(shape) * dtype.itemsize
@@ -62,7 +64,9 @@ def main(argv):
     raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} is a directory, not a '
                      '.npy file')
   if not os.path.isfile(FLAGS.inputs_npy):
-    raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} does not exist')
+    raise UsageError(f'--inputs_npy={FLAGS.inputs_npy} ' + (
+        'is not a regular file' if os.path.exists(FLAGS.inputs_npy) else
+        'does not exist'))
   try:
     _check_data_size(FLAGS.inputs_npy)
     inputs = np.load(FLAGS.inputs_npy, allow_pickle=False)

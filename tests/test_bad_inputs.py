@@ -211,14 +211,29 @@ def non_finite_inputs(p):
   copy_fedres_export(p, np.array([[np.nan] * 10, [np.inf] * 10], np.float32))
 
 
-def huge_npy_header(p):
-  """A .npy file whose header claims 40 PB (NumPy allocated it first: a
-  MemoryError traceback)."""
+def huge_npy_header(version):
+  """Setup of a .npy file whose header (format `version`) claims 40 PB
+  (NumPy allocated it first: a MemoryError traceback)."""
+
+  def setup(p):
+    copy_fedres_export(p)
+    with open(os.path.join(p.root, 'inputs.npy'), 'wb') as f:
+      np.lib.format._write_array_header(  # pylint: disable=protected-access
+          f, {'descr': '<f4', 'fortran_order': False, 'shape': (10**15, 10)},
+          version)
+      f.write(np.zeros([2, 10], np.float32).tobytes())
+
+  return setup
+
+
+def npz_inputs(p):
   copy_fedres_export(p)
-  with open(os.path.join(p.root, 'inputs.npy'), 'wb') as f:
-    np.lib.format.write_array_header_1_0(
-        f, {'descr': '<f4', 'fortran_order': False, 'shape': (10**15, 10)})
-    f.write(np.zeros([2, 10], np.float32).tobytes())
+  np.savez(os.path.join(p.root, 'inputs.npz'), np.zeros([2, 10], np.float32))
+
+
+def device_as_inputs(p):
+  copy_fedres_export(p)
+  os.symlink('/dev/zero', os.path.join(p.root, 'zero.npy'))
 
 
 def inputs_beyond_float32(p):
@@ -771,12 +786,24 @@ CASES = [
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs hold 20 '
          'non-finite value(s) (NaN or inf); predictions need finite inputs',
          setup=non_finite_inputs),
-    Case('serve_huge_npy_header', 'serve_personalized',
-         serve('fedres_export'),
-         lambda p: f'--inputs_npy={p.root}/inputs.npy is not a .npy array: '
-         'its header declares shape (1000000000000000, 10) of float32 '
-         '(40000000000000000 bytes), but it holds 80 bytes of data',
-         setup=huge_npy_header),
+    *(Case(f'serve_huge_npy_header_{version[0]}', 'serve_personalized',
+           serve('fedres_export'),
+           lambda p: f'--inputs_npy={p.root}/inputs.npy is not a .npy array: '
+           'its header declares shape (1000000000000000, 10) of float32 '
+           '(40000000000000000 bytes), but it holds 80 bytes of data',
+           setup=huge_npy_header(version))
+      for version in ((1, 0), (3, 0))),
+    # Read as an archive: "inputs of shape [1] and dtype <U1 do not fit".
+    Case('serve_npz_inputs', 'serve_personalized',
+         serve('fedres_export', 'inputs.npz'),
+         lambda p: f'--inputs_npy={p.root}/inputs.npz is not a .npy array: it '
+         'is an .npz archive of arrays, not one .npy array',
+         setup=npz_inputs),
+    # It "did not exist".
+    Case('serve_device_inputs', 'serve_personalized',
+         serve('fedres_export', 'zero.npy'),
+         lambda p: f'--inputs_npy={p.root}/zero.npy is not a regular file',
+         setup=device_as_inputs),
     # NumPy's overflow warnings, then "predictions are not finite".
     Case('serve_inputs_beyond_float32', 'serve_personalized',
          serve('fedres_export'),
