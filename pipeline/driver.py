@@ -435,11 +435,22 @@ def mark_store_directory(directory: str, run_dir: str) -> None:
 
 def require_state_files(state_format: client_states.StateFormat,
                         index: client_states.StateIndex,
-                        round_num: int) -> None:
-  """UsageError unless every state file `index` names is there, whole."""
+                        round_num: int, changed: Optional[str] = None
+                        ) -> None:
+  """UsageError unless every state file `index` names is there, whole.
+  `changed`: the flags a resume changes (`run_directory.ResumePlan`), which
+  may give the states another form than the stored one."""
   missing = client_states.missing_files(
       state_format, index, client_states.serialized_size(state_format.specs),
       client_states.file_header(state_format.specs))
+  if missing and changed:
+    # E.g. --client_steps=50 with factored c_i: too many rows to factor, so
+    # the flags no longer fixed it, and the files were blamed.
+    raise UsageError(
+        f'{len(missing)} client state file(s) of checkpoint round '
+        f'{round_num} do not have the form this command\'s flags give a '
+        f'client state (e.g. {missing[0]}): the changed flags {changed} '
+        'change it; repeat the run\'s values, or use a new --experiment_name')
   if missing:
     raise UsageError(
         f'{len(missing)} client state file(s) of checkpoint round '
@@ -481,8 +492,10 @@ class ClientStateKeeper:
   def close(self) -> None:
     self._evictor.close()
 
-  def start(self, round_num: int, versions: Optional[np.ndarray]) -> None:
-    """Sets the index to checkpoint `round_num`'s (None: a new run)."""
+  def start(self, round_num: int, versions: Optional[np.ndarray],
+            changed: Optional[str] = None) -> None:
+    """Sets the index to checkpoint `round_num`'s (None: a new run);
+    `changed`: the flags a resume changes (`require_state_files`)."""
     try:
       self.index = client_states.StateIndex(self._client_ids, versions)
     except ValueError as e:  # Another --num_clients than the run's.
@@ -498,7 +511,7 @@ class ClientStateKeeper:
           f'move it out of {self.format.directory} and re-run the same '
           'command')
     client_states.recover(self.format.directory, round_num)
-    require_state_files(self.format, self.index, round_num)
+    require_state_files(self.format, self.index, round_num, changed)
     self._kept = {round_num: self.index.versions.copy()}
     if versions is not None:
       # A run killed after writing a checkpoint but before deleting the files
@@ -709,7 +722,7 @@ def _train_locked(definition: round_lib.RoundDefinition, task: base.Task,
     server_state = loaded['server_state']
     checkpoints.drop_unkept()  # Before the keeper collects unnamed states.
     if keeper:
-      keeper.start(start_round, loaded['client_versions'])
+      keeper.start(start_round, loaded['client_versions'], resume.changed)
       # Once its files are found: a resume refused for a missing store
       # makes none (the user would restore it inside the new one).
       mark_store_directory(config.state_dir, run_dir)

@@ -228,6 +228,16 @@ def test_a_factored_run_keeps_its_steps_and_batch_and_option1_is_free(root):
                        r' \(run: \d+, now: \d+\).*rows'):
       _run_cli(root, 'factored_k', *args, flag, '--allow_flag_changes',
                '--total_rounds=2')
+  # Changes after which nothing is factored (too many rows; Option I) no
+  # longer fix K and B: the stored states' form was blamed on their files
+  # ("missing or damaged ... Restore the directory").
+  for flag in ('--client_steps=50', '--scaffold_option=1'):
+    with pytest.raises(UsageError, match=(
+        r'client state file\(s\) of checkpoint round 1 do not have the form '
+        r"this command's flags give a client state \(e\.g\. .*\): the "
+        rf'changed flags .*{flag.split("=")[0]} \(run: .*; repeat the run')):
+      _run_cli(root, 'factored_k', *args, flag, '--allow_flag_changes',
+               '--total_rounds=2')
   # Option I keeps every c_i dense: a run from before the flag resumes
   # without it.
   args = ('--algorithm=scaffold', '--model=mlp', '--client_steps=2',
