@@ -249,6 +249,10 @@ def wrongly_shaped_inputs(p):
   np.save(os.path.join(p.root, 'inputs.npy'), np.zeros([2, 3, 4]))
 
 
+def bool_inputs(p):
+  np.save(os.path.join(p.root, 'inputs.npy'), np.ones([2, 10], bool))
+
+
 def serve(export_dir, inputs='inputs.npy'):
   """serve_personalized's flags for client 0: `export_dir` and `inputs`
   relative to the root (the FedRes run's export: 'fedres/export')."""
@@ -757,6 +761,12 @@ CASES = [
          lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
          '[2, 3, 4] and dtype float64 do not fit the export\'s `features` '
          '(shape [None, 10], dtype float32)', setup=wrongly_shaped_inputs),
+    # Served as ones (NumPy casts bool to any number).
+    Case('serve_bool_inputs', 'serve_personalized',
+         serve('fedres/export'),
+         lambda p: f'--inputs_npy={p.root}/inputs.npy: inputs of shape '
+         '[2, 10] and dtype bool do not fit the export\'s `features` '
+         '(shape [None, 10], dtype float32)', setup=bool_inputs),
     # It "does not exist".
     Case('serve_missing_export', 'serve_personalized',
          serve('fedres/no_export'),

@@ -255,8 +255,11 @@ class PersonalizedServer:
     """UsageError unless `inputs` fit the serving input's shape and dtype."""
     inputs = np.asarray(inputs)
     spec = self._input_spec
-    if not (spec.shape.is_compatible_with(inputs.shape) and np.can_cast(
-        inputs.dtype, spec.dtype.as_numpy_dtype, casting='same_kind')):
+    # NumPy casts bool to any number (True served as movie id 1).
+    is_bool = inputs.dtype == np.bool_ and spec.dtype != tf.bool
+    if is_bool or not (spec.shape.is_compatible_with(inputs.shape) and
+                       np.can_cast(inputs.dtype, spec.dtype.as_numpy_dtype,
+                                   casting='same_kind')):
       raise InputError(
           f'inputs of shape {list(inputs.shape)} and dtype {inputs.dtype} do '
           f'not fit the export\'s `{self._input_name}` (shape '
