@@ -18,8 +18,8 @@ at the next start of any binary).
 """
 
 import argparse
-import errno
 import atexit
+import errno
 import logging as logging_lib
 import os
 import re

@@ -121,11 +121,13 @@ def _load_client_data(config: base.DataConfig):
                        '--use_synthetic_data')
   client_database.require_text_client_ids(database, _SPLITS)
   try:
-    # Fetches the file with --download; its datasets are made again below.
-    tff.simulation.datasets.celeba.load_data(split_by_clients=True,
-                                             cache_dir=cache_dir)
-    train, test = (tff.simulation.datasets.SqlClientData(
-        database, split).preprocess(_parse_examples) for split in _SPLITS)
+    if not os.path.isfile(database):  # --download: TFF's loader fetches it.
+      tff.simulation.datasets.celeba.load_data(split_by_clients=True,
+                                               cache_dir=cache_dir)
+    # A list, not a generator: TFF's bare StopIteration (a file of none of
+    # the splits) would become a RuntimeError.
+    train, test = [tff.simulation.datasets.SqlClientData(
+        database, split).preprocess(_parse_examples) for split in _SPLITS]
   except Exception as e:  # pylint: disable=broad-except
     raise load_error('CelebA', database, e) from e
   client_database.require_readable_client_ids(database, (train, test),
